@@ -1,0 +1,21 @@
+"""The one entry point the model calls for its heavy ops.
+
+Each op resolves to its pure-JAX reference (the CPU path and the oracle for kernels). TPU
+Pallas kernels plug in here by backend; the model never imports a kernel module directly.
+"""
+from __future__ import annotations
+
+from .kda import kda_chunked, kda_recurrent
+from .mla import mla_paged_attention, write_kv_pages
+from .moe import expert_ffn, dequant_experts
+from .mxfp4 import unpack_mxfp4
+
+__all__ = [
+    "kda_chunked",
+    "kda_recurrent",
+    "mla_paged_attention",
+    "write_kv_pages",
+    "expert_ffn",
+    "dequant_experts",
+    "unpack_mxfp4",
+]

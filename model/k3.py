@@ -1,0 +1,127 @@
+"""The Kimi K3 / Kimi Linear causal LM: embedding, decoder stack, final norm, lm_head.
+
+Residual structure. Kimi Linear uses plain pre-norm residual adds. K3 replaces them with
+Block Attention Residuals: a bank of snapshots (taken at layers 0, b, 2b, ... *before* the
+attention sublayer) plus the current block's prefix sum; each sublayer input is a softmax
+mix over depth of those sources; the prefix sum restarts from the attention output after a
+snapshot; the final output is one more mix (model-level weights) before the final norm.
+The bank holds only per-token values, so nothing of it crosses tokens or steps.
+
+``__call__`` is a pure step: (batch, cache) -> (logits, new cache[, intermediates]).
+Prefill chunks (T > 1) use the chunked KDA form, single-token decode the recurrent form.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .cache import Cache, StepBatch
+from .kda import KDA
+from .layers import AttnResWeights, GatedMLP, Linear, RMSNorm, attn_res, param
+from .mla import MLA
+from .moe import MoE
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg, idx: int, dtype):
+        D = cfg.hidden_size
+        self.kind = cfg.layer_types[idx]
+        self.is_moe = cfg.is_moe_layer(idx)
+        self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype, "embed")
+        self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype, "embed")
+        self.self_attn = KDA(cfg, dtype) if self.kind == "kda" else MLA(cfg, dtype)
+        if self.is_moe:
+            self.block_sparse_moe = MoE(cfg, dtype)
+        else:
+            self.mlp = GatedMLP(cfg, D, cfg.intermediate_size, dtype)
+        if cfg.uses_attn_res:
+            self.self_attention_res = AttnResWeights(D, dtype)
+            self.mlp_res = AttnResWeights(D, dtype)
+
+    def ffn(self, x, aux):
+        if self.is_moe:
+            return self.block_sparse_moe(x, aux)
+        return self.mlp(x)
+
+
+class KimiLM(nnx.Module):
+    def __init__(self, cfg, dtype=jnp.float32):
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+        D = cfg.hidden_size
+        self.embed_tokens = param((cfg.vocab_size, D), dtype, ("vocab", "embed"))
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype, "embed")
+        if cfg.uses_attn_res:
+            self.output_attn_res = AttnResWeights(D, dtype)
+        self.lm_head = Linear(D, cfg.vocab_size, dtype, ("vocab", "embed"))
+
+    def __call__(self, batch: StepBatch, cache: Cache, capture: bool = False):
+        cfg = self.cfg
+        ids = batch.input_ids
+        B, T = ids.shape
+        t = jnp.arange(T, dtype=jnp.int32)
+        positions = batch.start_pos[:, None] + t[None, :]
+        valid = t[None, :] < batch.seq_lens[:, None]
+        kv_lens = batch.start_pos + batch.seq_lens
+        slots = batch.slot_ids
+
+        kda_state, kda_conv, mla_kv = cache.kda_state, cache.kda_conv, cache.mla_kv
+        kda_idx = {l: j for j, l in enumerate(cfg.kda_layers)}
+        mla_idx = {l: j for j, l in enumerate(cfg.mla_layers)}
+        rec = {} if capture else None
+        layer_aux = []
+
+        h = jnp.take(self.embed_tokens[...], ids, axis=0)
+        if rec is not None:
+            rec["embed"] = h
+        bank: list = []
+        p = h
+        eps = cfg.rms_norm_eps
+        bsz = cfg.attn_res_block_size
+        for l, layer in enumerate(self.layers):
+            aux = {} if capture else None
+            if cfg.uses_attn_res:
+                x = p if not bank else attn_res(bank, p, layer.self_attention_res, eps)
+                if l % bsz == 0:
+                    bank.append(p)
+                    p = None
+            else:
+                x = p
+            a_in = layer.input_layernorm(x)
+            if layer.kind == "kda":
+                j = kda_idx[l]
+                out, new_conv, new_state = layer.self_attn(
+                    a_in, kda_conv[j][slots], kda_state[j][slots], valid, batch.seq_lens, aux
+                )
+                kda_conv = kda_conv.at[j, slots].set(new_conv)
+                kda_state = kda_state.at[j, slots].set(new_state)
+            else:
+                j = mla_idx[l]
+                out, pages, rows = layer.self_attn(a_in, mla_kv[j], batch.page_table, positions, valid, kv_lens)
+                mla_kv = mla_kv.at[j].set(pages)
+                if aux is not None:
+                    aux["mla_rows"] = rows
+            if cfg.uses_attn_res:
+                p = out if p is None else p + out
+                y = attn_res(bank, p, layer.mlp_res, eps)
+            else:
+                p = x + out
+                y = p
+            f = layer.ffn(layer.post_attention_layernorm(y), aux)
+            p = p + f
+            if aux is not None:
+                aux.update(attn_in=x, attn_out=out, mlp_in=y, mlp_out=f, prefix_sum=p, num_blocks=len(bank))
+                layer_aux.append(aux)
+
+        out = attn_res(bank, p, self.output_attn_res, eps) if cfg.uses_attn_res else p
+        normed = self.norm(out)
+        logits = jnp.einsum("btd,vd->btv", normed, self.lm_head.weight[...].astype(normed.dtype),
+                            preferred_element_type=jnp.float32)
+        new_cache = Cache(kda_state=kda_state, kda_conv=kda_conv, mla_kv=mla_kv)
+        if not capture:
+            return logits, new_cache
+        rec.update(layers=layer_aux, attnres_out=out, final_norm_out=normed,
+                   block_residual=jnp.stack(bank, axis=-2) if bank else None)
+        return logits, new_cache, rec

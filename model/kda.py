@@ -1,0 +1,112 @@
+"""Kimi Delta Attention layer (K3 and Kimi Linear variants).
+
+Per token: q/k/v projections -> causal depthwise conv (kernel W, zero left-pad) -> SiLU;
+forget gate from a low-rank projection (K3: ``LB*sigmoid(exp(A_log_h)*(f+dt_bias))``,
+lower bound -5; Kimi Linear: ``-exp(A_log_h)*softplus(f+dt_bias)``); ``beta = sigmoid(b x)``
+per head; L2-normalised q (times dk^-1/2) and k; the decay-then-delta recurrence in fp32;
+per-head RMSNorm of the output times sigmoid of the output gate; o_proj.
+
+State that outlives a step is passed in and returned explicitly, per row:
+  conv  [B, W-1, 3P] float32: the last W-1 *raw* (pre-conv) q|k|v projections, oldest first
+  state [B, H, dk, dv] float32: math layout S[k, v] (o = S^T q)
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..kernels import ops
+from .layers import F32, Linear, matmul, param, rms_normalize
+
+L2_EPS = 1e-6
+
+
+def l2_normalize(x):
+    x = x.astype(F32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def causal_conv(raw, conv_state, weight, seq_lens):
+    """Depthwise causal conv over [old window | new tokens].
+
+    raw [B,T,C]; conv_state [B,W-1,C]; weight [C,W] (column W-1 multiplies the newest).
+    Returns (y [B,T,C] fp32 before the activation, new conv_state [B,W-1,C]) where the new
+    window ends at each row's last valid token (seq_lens), so padding never enters it.
+    """
+    W = weight.shape[1]
+    B, T, C = raw.shape
+    window = jnp.concatenate([conv_state.astype(F32), raw.astype(F32)], axis=1)  # [B, W-1+T, C]
+    w = weight.astype(F32)
+    y = sum(window[:, i : i + T, :] * w[:, i] for i in range(W))
+    new_state = jax.vmap(lambda win, n: jax.lax.dynamic_slice_in_dim(win, n, W - 1, axis=0))(window, seq_lens)
+    return y, new_state
+
+
+class KDA(nnx.Module):
+    def __init__(self, cfg, dtype):
+        D, H, dk = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+        P = H * dk
+        self.cfg = cfg
+        self.q_proj = Linear(D, P, dtype, ("kda_heads", "embed"))
+        self.k_proj = Linear(D, P, dtype, ("kda_heads", "embed"))
+        self.v_proj = Linear(D, P, dtype, ("kda_heads", "embed"))
+        # depthwise conv weights [P, W] (checkpoint [P, 1, W]); fp32 like the checkpoint
+        W = cfg.conv_kernel_size
+        self.q_conv1d = param((P, W), F32, ("kda_heads", "conv_window"))
+        self.k_conv1d = param((P, W), F32, ("kda_heads", "conv_window"))
+        self.v_conv1d = param((P, W), F32, ("kda_heads", "conv_window"))
+        self.f_a_proj = Linear(D, dk, dtype, ("kda_rank", "embed"))
+        self.f_b_proj = Linear(dk, P, dtype, ("kda_heads", "kda_rank"))
+        self.b_proj = Linear(D, H, dtype, ("kda_head_count", "embed"))
+        self.A_log = param((H,), F32, ("kda_head_count",))
+        self.dt_bias = param((P,), F32, ("kda_heads",))
+        if cfg.full_rank_output_gate:
+            self.g_proj = Linear(D, P, dtype, ("kda_heads", "embed"))
+        else:
+            self.g_a_proj = Linear(D, dk, dtype, ("kda_rank", "embed"))
+            self.g_b_proj = Linear(dk, P, dtype, ("kda_heads", "kda_rank"))
+        self.o_norm = param((dk,), F32, ("kda_head_dim",))
+        self.o_proj = Linear(P, D, dtype, ("embed", "kda_heads"))
+
+    def output_gate(self, x):
+        if self.cfg.full_rank_output_gate:
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
+
+    def __call__(self, x, conv_state, state, valid, seq_lens, aux=None):
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, dk = cfg.kda_num_heads, cfg.kda_head_dim
+        P = H * dk
+        raw = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        conv_w = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=0)
+        y, new_conv = causal_conv(raw, conv_state, conv_w, seq_lens)
+        y = jax.nn.silu(y)
+        q, k, v = (t.reshape(B, T, H, dk) for t in (y[..., :P], y[..., P : 2 * P], y[..., 2 * P :]))
+
+        f = self.f_b_proj(self.f_a_proj(x)).astype(F32).reshape(B, T, H, dk)
+        a = jnp.exp(self.A_log[...])[:, None]  # [H, 1]
+        f = f + self.dt_bias[...].reshape(H, dk)
+        if cfg.gate_lower_bound is not None:
+            g = cfg.gate_lower_bound * jax.nn.sigmoid(a * f)
+        else:
+            g = -a * jax.nn.softplus(f)
+        beta = jax.nn.sigmoid(matmul(x, self.b_proj.weight[...]).astype(F32))  # [B,T,H]
+        g = jnp.where(valid[..., None, None], g, 0.0)
+        beta = jnp.where(valid[..., None], beta, 0.0)
+        if aux is not None:
+            aux["kda_log_decay"] = g
+            aux["kda_beta"] = beta
+
+        qn = l2_normalize(q) * (dk ** -0.5)
+        kn = l2_normalize(k)
+        if T == 1:
+            o, new_state = ops.kda_recurrent(qn, kn, v, g, beta, state)
+        else:
+            o, new_state = ops.kda_chunked(qn, kn, v, g, beta, state)
+
+        gate = self.output_gate(x).astype(F32).reshape(B, T, H, dk)
+        o = rms_normalize(o, cfg.rms_norm_eps) * self.o_norm[...] * jax.nn.sigmoid(gate)
+        out = self.o_proj(o.reshape(B, T, P).astype(x.dtype))
+        return out, new_conv, new_state

@@ -1,0 +1,67 @@
+"""Multi-head Latent Attention without RoPE (K3 and Kimi Linear), over paged latent KV.
+
+Per token the cache stores ``[RMSNorm(c) (kv_lora_rank) | k_r (qk_rope_head_dim)]``; the
+"rope" dims are plain shared key dims here (NoPE model). Scores use the absorbed form:
+``q_nope`` is taken into latent space through the key half of ``kv_b_proj`` and the
+attention output is taken back through its value half. Softmax scale is
+``(qk_nope + qk_rope)^-1/2``. K3 adds a q LoRA and a sigmoid output gate computed from the
+layer input; Kimi Linear has a plain ``q_proj`` and no gate.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..kernels import ops
+from .layers import F32, Linear, RMSNorm
+
+
+class MLA(nnx.Module):
+    def __init__(self, cfg, dtype):
+        D, H = cfg.hidden_size, cfg.mla_num_heads
+        self.cfg = cfg
+        qk = cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(D, H * qk, dtype, ("heads", "embed"))
+        else:
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, dtype, ("q_lora", "embed"))
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.mla_latent_eps, dtype, "q_lora")
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * qk, dtype, ("heads", "q_lora"))
+        self.kv_a_proj_with_mqa = Linear(D, cfg.mla_cache_width, dtype, ("kv_latent", "embed"))
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.mla_latent_eps, dtype, "kv_latent")
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype, ("heads", "kv_latent"))
+        if cfg.mla_output_gate:
+            self.g_proj = Linear(D, H * cfg.v_head_dim, dtype, ("heads", "embed"))
+        self.o_proj = Linear(H * cfg.v_head_dim, D, dtype, ("embed", "heads"))
+
+    def query(self, x):
+        if self.cfg.q_lora_rank is None:
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def latent_rows(self, x):
+        """The cache rows of x: [B, T, kv_lora_rank + rope]."""
+        ckv = self.kv_a_proj_with_mqa(x)
+        c, kr = ckv[..., : self.cfg.kv_lora_rank], ckv[..., self.cfg.kv_lora_rank :]
+        return jnp.concatenate([self.kv_a_layernorm(c), kr], axis=-1)
+
+    def __call__(self, x, kv_pages, page_table, positions, valid, kv_lens):
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, nope, R, dv, Lr = cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        q = self.query(x).reshape(B, T, H, nope + R)
+        q_nope, q_rope = q[..., :nope], q[..., nope:]
+        rows = self.latent_rows(x)
+        kv_pages = ops.write_kv_pages(kv_pages, rows, page_table, positions, valid)
+
+        wkv = self.kv_b_proj.weight[...].reshape(H, nope + dv, Lr)
+        w_uk, w_uv = wkv[:, :nope], wkv[:, nope:]
+        q_lat = jnp.einsum("bthn,hnl->bthl", q_nope.astype(F32), w_uk.astype(F32))
+        out_lat = ops.mla_paged_attention(
+            q_lat, q_rope, kv_pages, page_table, positions, kv_lens, cfg.qk_head_dim ** -0.5, Lr
+        )
+        o = jnp.einsum("bthl,hvl->bthv", out_lat, w_uv.astype(F32)).reshape(B, T, H * dv)
+        if cfg.mla_output_gate:
+            o = o * jax.nn.sigmoid(self.g_proj(x).astype(F32))
+        return self.o_proj(o.astype(x.dtype)), kv_pages, rows

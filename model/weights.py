@@ -1,0 +1,279 @@
+"""Checkpoint names -> model parameters (Hugging Face K3 and Kimi Linear layouts).
+
+Loading streams tensor by tensor: each tensor is read, checked, converted and placed, then
+dropped. Routed experts arrive one expert at a time and are gathered into their stacked
+parameter ``[E, ...]`` (a buffer of the final size; never a second copy of the model).
+MXFP4 experts stay packed unless ``dequantize_experts`` is asked for, in which case each
+expert is decoded into the dense stack as soon as both its bytes and its scales are in.
+
+Unknown, missing and mis-shaped tensors are errors that name the tensor.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterable
+
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
+import numpy as np
+from flax import nnx
+
+from ..kernels.mxfp4 import unpack_mxfp4_np
+
+# Tensors a K3 release carries that the text model does not read.
+_IGNORED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _strip(name: str) -> str | None:
+    n = name
+    if n.startswith("language_model."):
+        n = n[len("language_model."):]
+    if n.startswith(_IGNORED_PREFIXES):
+        return None
+    if n.startswith("layers.") or n.startswith("embed_tokens.") or n in ("norm.weight",) or n.startswith("output_attn_res"):
+        n = "model." + n
+    return n
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
+
+
+class _Target:
+    """Where a checkpoint tensor goes: a Param, optionally one expert row of a stack."""
+
+    def __init__(self, var: nnx.Variable, path: str, expert: int | None = None,
+                 convert: Callable[[np.ndarray], np.ndarray] | None = None, expect: tuple | None = None):
+        self.var, self.path, self.expert, self.convert, self.expect = var, path, expert, convert, expect
+
+
+def _resolve(model, cfg, name: str, dequant: bool) -> _Target | str | None:
+    """Map a stripped name to a target; returns a string for MXFP4 parts when dequantizing."""
+    if name == "model.embed_tokens.weight":
+        return _Target(model.embed_tokens, "embed_tokens")
+    if name == "lm_head.weight":
+        return _Target(model.lm_head.weight, "lm_head.weight")
+    if name == "model.norm.weight":
+        return _Target(model.norm.weight, "norm.weight")
+    m = re.match(r"^model\.output_attn_res_(proj|norm)\.weight$", name)
+    if m and cfg.uses_attn_res:
+        return _Target(getattr(model.output_attn_res, m.group(1)), f"output_attn_res.{m.group(1)}")
+    m = _LAYER.match(name)
+    if not m:
+        return None
+    li, rest = int(m.group(1)), m.group(2)
+    if li >= cfg.num_hidden_layers:
+        return None
+    layer = model.layers[li]
+    base = f"layers.{li}"
+    m2 = re.match(r"^(self_attention_res|mlp_res)_(proj|norm)\.weight$", rest)
+    if m2:
+        if not cfg.uses_attn_res:
+            return None
+        return _Target(getattr(getattr(layer, m2.group(1)), m2.group(2)), f"{base}.{m2.group(1)}.{m2.group(2)}")
+    if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+        mod = rest.split(".")[0]
+        return _Target(getattr(layer, mod).weight, f"{base}.{mod}.weight")
+    if rest.startswith("self_attn."):
+        attn = layer.self_attn
+        sub = rest[len("self_attn."):]
+        if layer.kind == "kda":
+            H, dk = cfg.kda_num_heads, cfg.kda_head_dim
+            if sub == "A_log":
+                def narrow(a, H=H):
+                    a = np.asarray(a, np.float32).reshape(-1)
+                    if a.size < H:
+                        raise CheckpointError(f"A_log has {a.size} entries, need {H} heads")
+                    return a[:H]  # per-head decay rates; the release pads to head_dim with zeros
+                return _Target(attn.A_log, f"{base}.self_attn.A_log", convert=narrow, expect=None)
+            m3 = re.match(r"^([qkv])_conv1d\.weight$", sub)
+            if m3:
+                P, W = H * dk, cfg.conv_kernel_size
+                return _Target(getattr(attn, f"{m3.group(1)}_conv1d"), f"{base}.self_attn.{m3.group(1)}_conv1d",
+                               convert=lambda a: np.asarray(a).reshape(a.shape[0], a.shape[-1]), expect=(P, 1, W))
+            if sub in ("dt_bias",):
+                return _Target(attn.dt_bias, f"{base}.self_attn.dt_bias", convert=lambda a: np.asarray(a).reshape(-1),
+                               expect=None)
+            if sub == "o_norm.weight":
+                return _Target(attn.o_norm, f"{base}.self_attn.o_norm")
+        mod = sub.rsplit(".", 1)
+        if len(mod) == 2 and mod[1] == "weight" and hasattr(attn, mod[0]):
+            obj = getattr(attn, mod[0])
+            if isinstance(obj, nnx.Module) and hasattr(obj, "weight"):
+                return _Target(obj.weight, f"{base}.self_attn.{mod[0]}.weight")
+        return None
+    if rest.startswith("mlp.") and not layer.is_moe:
+        mod = rest[len("mlp."):].rsplit(".", 1)
+        if mod[0] in ("gate_proj", "up_proj", "down_proj") and mod[1] == "weight":
+            return _Target(getattr(layer.mlp, mod[0]).weight, f"{base}.mlp.{mod[0]}.weight")
+        return None
+    if rest.startswith("block_sparse_moe.") and layer.is_moe:
+        moe = layer.block_sparse_moe
+        m4 = _EXPERT.match(rest)
+        if m4:
+            e, w, kind = int(m4.group(1)), m4.group(2), m4.group(3)
+            if e >= cfg.num_experts:
+                return None
+            ex = moe.experts
+            if kind == "weight":
+                if ex.mxfp4:
+                    return None
+                return _Target(getattr(ex, w), f"{base}.experts.{w}", expert=e)
+            if not ex.mxfp4:
+                return f"{base}.experts.{w}" if dequant else None
+            part = "packed" if kind == "weight_packed" else "scale"
+            return _Target(getattr(ex, f"{w}_{part}"), f"{base}.experts.{w}_{part}", expert=e)
+        sub = rest[len("block_sparse_moe."):]
+        if sub == "gate.weight":
+            return _Target(moe.gate.weight, f"{base}.gate.weight")
+        if sub == "gate.e_score_correction_bias":
+            return _Target(moe.gate.e_score_correction_bias, f"{base}.gate.e_score_correction_bias")
+        if sub == "routed_expert_norm.weight" and hasattr(moe, "routed_expert_norm"):
+            return _Target(moe.routed_expert_norm.weight, f"{base}.routed_expert_norm.weight")
+        mod = sub.rsplit(".", 1)
+        if mod[0] in ("routed_expert_down_proj", "routed_expert_up_proj") and hasattr(moe, mod[0]):
+            return _Target(getattr(moe, mod[0]).weight, f"{base}.{mod[0]}.weight")
+        if mod[0].startswith("shared_experts.") and hasattr(moe, "shared_experts"):
+            p = mod[0].split(".", 1)[1]
+            if p in ("gate_proj", "up_proj", "down_proj"):
+                return _Target(getattr(moe.shared_experts, p).weight, f"{base}.shared_experts.{p}.weight")
+        return None
+    return None
+
+
+def expected_tensor_names(cfg) -> list[str]:
+    """Every tensor a checkpoint of ``cfg`` must hold (names without the K3 prefix)."""
+    names = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+    if cfg.uses_attn_res:
+        names += ["model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight"]
+    for i, kind in enumerate(cfg.layer_types):
+        b = f"model.layers.{i}."
+        names += [b + "input_layernorm.weight", b + "post_attention_layernorm.weight"]
+        if cfg.uses_attn_res:
+            names += [b + f"{s}_{p}.weight" for s in ("self_attention_res", "mlp_res") for p in ("proj", "norm")]
+        a = b + "self_attn."
+        if kind == "kda":
+            names += [a + f"{x}_proj.weight" for x in "qkv"] + [a + f"{x}_conv1d.weight" for x in "qkv"]
+            names += [a + "f_a_proj.weight", a + "f_b_proj.weight", a + "b_proj.weight", a + "A_log",
+                      a + "dt_bias", a + "o_norm.weight", a + "o_proj.weight"]
+            names += [a + "g_proj.weight"] if cfg.full_rank_output_gate else [a + "g_a_proj.weight", a + "g_b_proj.weight"]
+        else:
+            if cfg.q_lora_rank is None:
+                names += [a + "q_proj.weight"]
+            else:
+                names += [a + "q_a_proj.weight", a + "q_a_layernorm.weight", a + "q_b_proj.weight"]
+            names += [a + "kv_a_proj_with_mqa.weight", a + "kv_a_layernorm.weight", a + "kv_b_proj.weight",
+                      a + "o_proj.weight"]
+            if cfg.mla_output_gate:
+                names += [a + "g_proj.weight"]
+        if cfg.is_moe_layer(i):
+            m = b + "block_sparse_moe."
+            names += [m + "gate.weight", m + "gate.e_score_correction_bias"]
+            if cfg.num_shared_experts:
+                names += [m + f"shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+            if cfg.latent_moe:
+                names += [m + "routed_expert_down_proj.weight", m + "routed_expert_up_proj.weight"]
+                if cfg.latent_moe_use_norm:
+                    names += [m + "routed_expert_norm.weight"]
+            parts = ("weight_packed", "weight_scale") if cfg.experts_mxfp4 else ("weight",)
+            names += [m + f"experts.{e}.{w}.{p}" for e in range(cfg.num_experts) for w in ("w1", "w2", "w3") for p in parts]
+        else:
+            names += [b + f"mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+    return names
+
+
+def _all_params(model) -> dict[str, nnx.Variable]:
+    out = {}
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Param):
+            out[".".join(str(p) for p in path)] = var
+    return out
+
+
+def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarray], tuple]], *,
+                 ckpt_cfg=None, dequantize_experts: bool = False, source: str = "checkpoint") -> None:
+    """Fill ``model``'s parameters from ``(name, read_fn, shape)`` triples, one at a time.
+
+    ``model`` may be abstract (``nnx.eval_shape``): every parameter is replaced. ``ckpt_cfg``
+    describes the checkpoint when it differs from the model's (dequantize-at-load).
+    """
+    E = cfg.num_experts
+    staged: dict[int, tuple[np.ndarray, list]] = {}  # id(var) -> (stack buffer, filled flags)
+    pending_mx: dict[tuple[str, int], dict] = {}  # dequant-at-load: (stack path, e) -> parts
+    done: set[int] = set()
+    params = _all_params(model)
+    by_id = {id(v): k for k, v in params.items()}
+
+    def place(tgt: _Target, arr: np.ndarray, name: str):
+        var = tgt.var
+        shape, dtype = tuple(var.value.shape), var.value.dtype
+        if tgt.expert is None:
+            if arr.shape != shape:
+                raise CheckpointError(f"{source}: tensor {name!r} has shape {list(arr.shape)}, expected {list(shape)}")
+            var.value = jnp.asarray(arr.astype(dtype))
+            done.add(id(var))
+            return
+        row_shape = shape[1:]
+        if arr.shape != row_shape:
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {list(arr.shape)}, expected {list(row_shape)}")
+        if id(var) not in staged:
+            staged[id(var)] = (np.zeros(shape, dtype), [False] * E)
+        buf, filled = staged[id(var)]
+        buf[tgt.expert] = arr.astype(dtype)
+        filled[tgt.expert] = True
+        if all(filled):
+            var.value = jnp.asarray(buf)
+            del staged[id(var)]
+            done.add(id(var))
+
+    seen = set()
+    seen_stripped = {}
+    for raw_name, read, shape in tensors:
+        name = _strip(raw_name)
+        if name is None:
+            continue
+        seen_stripped[name] = raw_name
+        tgt = _resolve(model, cfg, name, dequantize_experts)
+        if tgt is None:
+            raise CheckpointError(f"{source}: unexpected tensor {raw_name!r} (shape {list(shape)}) for this config")
+        if raw_name in seen:
+            raise CheckpointError(f"{source}: duplicate tensor {raw_name!r}")
+        seen.add(raw_name)
+        if isinstance(tgt, str):  # MXFP4 part, dequantized at load
+            m = _EXPERT.match(name.split(".", 3)[3])
+            e, w, kind = int(m.group(1)), m.group(2), m.group(3)
+            key = (tgt, e)
+            parts = pending_mx.setdefault(key, {})
+            parts[kind] = np.asarray(read())
+            if len(parts) == 2:
+                dense = unpack_mxfp4_np(parts["weight_packed"], parts["weight_scale"])
+                layer = model.layers[int(tgt.split(".")[1])]
+                place(_Target(getattr(layer.block_sparse_moe.experts, w), tgt, expert=e), dense,
+                      raw_name.rsplit(".", 1)[0] + ".{weight_packed,weight_scale}")
+                del pending_mx[key]
+            continue
+        if tgt.expect is not None and tuple(shape) != tuple(tgt.expect):
+            raise CheckpointError(f"{source}: tensor {raw_name!r} has shape {list(shape)}, expected {list(tgt.expect)}")
+        arr = np.asarray(read())
+        if tgt.convert is not None:
+            arr = tgt.convert(arr)
+        place(tgt, arr, raw_name)
+
+    prefix = "language_model." if cfg.family == "kimi_k3" else ""
+    absent = [prefix + n for n in expected_tensor_names(ckpt_cfg or cfg) if n not in seen_stripped]
+    if absent:
+        more = f" (and {len(absent) - 10} more)" if len(absent) > 10 else ""
+        raise CheckpointError(f"{source}: missing tensors: {', '.join(absent[:10])}{more}")
+    missing = sorted(by_id[i] for i in set(by_id) - done)
+    if missing or pending_mx:
+        detail = []
+        for i, (buf, filled) in staged.items():
+            miss = [e for e, f in enumerate(filled) if not f]
+            detail.append(f"{by_id[i]} (experts {miss[:8]}{'...' if len(miss) > 8 else ''})")
+        detail += [f"{k[0]} expert {k[1]} (only {sorted(v)})" for k, v in pending_mx.items()]
+        plain = [m for m in missing if not any(m in d for d in detail)]
+        raise CheckpointError(f"{source}: missing tensors for parameters: " + ", ".join(plain + detail))

@@ -1,0 +1,1 @@
+"""See ARCHITECTURE in the README."""
