@@ -1,0 +1,1 @@
+"""Checkpoints: Hugging Face safetensors I/O (MXFP4 experts) and synthetic K3 checkpoints."""
