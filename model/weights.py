@@ -214,7 +214,7 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
         if tgt.expert is None:
             if arr.shape != shape:
                 raise CheckpointError(f"{source}: tensor {name!r} has shape {list(arr.shape)}, expected {list(shape)}")
-            var.value = jnp.asarray(arr.astype(dtype))
+            var.set_value(jnp.asarray(arr.astype(dtype)))
             done.add(id(var))
             return
         row_shape = shape[1:]
@@ -226,7 +226,7 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
         buf[tgt.expert] = arr.astype(dtype)
         filled[tgt.expert] = True
         if all(filled):
-            var.value = jnp.asarray(buf)
+            var.set_value(jnp.asarray(buf))
             del staged[id(var)]
             done.add(id(var))
 

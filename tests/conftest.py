@@ -1,0 +1,1 @@
+"""pytest configuration: the tests folder is on sys.path (pyproject) for ``_util``."""
