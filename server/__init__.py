@@ -1,0 +1,1 @@
+"""Serving: engine, gRPC services, CLI (the engine arrives with later issues)."""

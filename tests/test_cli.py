@@ -1,0 +1,42 @@
+"""The console script on the embedded demo checkpoint and on a golden checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _util import DATA, golden
+
+
+def _run(args, cache):
+    env = dict(os.environ, K3SERVE_CACHE=str(cache))
+    cmd = [sys.executable, "-m", "k3serve.server.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.mark.slow
+def test_generate_demo_json(tmp_path):
+    r = _run(["generate", "--demo", "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["prompt_ids"] == [1, 2, 3] and len(out["output_ids"]) == 4
+    assert all(0 <= t < 4096 for t in out["output_ids"])
+    # the demo checkpoint and the compiled programs were cached under K3SERVE_CACHE
+    assert any(p.name.startswith("k3-demo-") for p in tmp_path.iterdir())
+    assert any((tmp_path / "jax").iterdir())
+
+
+def test_generate_golden_matches_reference_and_rejects_bad_ids(tmp_path):
+    g = golden("kimi-linear-tiny")
+    ids = ",".join(str(int(t)) for t in g["input_ids_1"])
+    r = _run(["generate", "--model", str(DATA / "kimi-linear-tiny"), "--prompt-ids", ids,
+              "--max-new-tokens", "3", "--json"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["output_ids"] == [int(t) for t in g["gen_tokens_1"][:3]]
+    r = _run(["generate", "--model", str(DATA / "kimi-linear-tiny"), "--prompt-ids", "1,99999"], tmp_path)
+    assert r.returncode == 2 and "99999" in r.stderr
+    r = _run(["info", "--model", str(DATA / "k3-tiny-a")], tmp_path)
+    assert r.returncode == 0 and "MLA at [3, 7, 9]" in r.stdout
