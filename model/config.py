@@ -143,6 +143,9 @@ class K3Config:
         kda = [int(i) for i in lac.get("kda_layers", [])]
         if not full and not kda:
             raise ValueError("linear_attn_config must list full_attn_layers and/or kda_layers")
+        for i in full + kda:  # before the per-layer scan, so a typo'd index is reported as such
+            if not 1 <= i <= L:
+                raise ValueError(f"layer index {i} out of range 1..{L} in linear_attn_config")
         types = []
         for i in range(1, L + 1):
             in_full, in_kda = i in full, i in kda
@@ -154,9 +157,6 @@ class K3Config:
                 types.append("kda")
             else:
                 raise ValueError(f"layer {i} (1-based) is in neither full_attn_layers nor kda_layers")
-        for i in full + kda:
-            if not 1 <= i <= L:
-                raise ValueError(f"layer index {i} out of range 1..{L} in linear_attn_config")
 
         k3 = family == "kimi_k3"
         quant = text.get("quantization_config") or top.get("quantization_config") or {}

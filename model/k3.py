@@ -73,7 +73,10 @@ class KimiLM(nnx.Module):
         rec = {} if capture else None
         layer_aux = []
 
-        h = jnp.take(self.embed_tokens[...], ids, axis=0)
+        # The residual stream (prefix sums, AttnRes bank) is kept in fp32 whatever the
+        # weight dtype; sublayers read it normalised and cast to the compute dtype.
+        h = jnp.take(self.embed_tokens[...], ids, axis=0).astype(jnp.float32)
+        cdt = self.dtype
         if rec is not None:
             rec["embed"] = h
         bank: list = []
@@ -89,7 +92,7 @@ class KimiLM(nnx.Module):
                     p = None
             else:
                 x = p
-            a_in = layer.input_layernorm(x)
+            a_in = layer.input_layernorm(x).astype(cdt)
             if layer.kind == "kda":
                 j = kda_idx[l]
                 out, new_conv, new_state = layer.self_attn(
@@ -109,14 +112,14 @@ class KimiLM(nnx.Module):
             else:
                 p = x + out
                 y = p
-            f = layer.ffn(layer.post_attention_layernorm(y), aux)
+            f = layer.ffn(layer.post_attention_layernorm(y).astype(cdt), aux)
             p = p + f
             if aux is not None:
                 aux.update(attn_in=x, attn_out=out, mlp_in=y, mlp_out=f, prefix_sum=p, num_blocks=len(bank))
                 layer_aux.append(aux)
 
         out = attn_res(bank, p, self.output_attn_res, eps) if cfg.uses_attn_res else p
-        normed = self.norm(out)
+        normed = self.norm(out).astype(cdt)
         logits = jnp.einsum("btd,vd->btv", normed, self.lm_head.weight[...].astype(normed.dtype),
                             preferred_element_type=jnp.float32)
         new_cache = Cache(kda_state=kda_state, kda_conv=kda_conv, mla_kv=mla_kv)

@@ -18,7 +18,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
 from flax import nnx
 
-from ..kernels.mxfp4 import unpack_mxfp4_np
+from ..kernels.mxfp4 import GROUP_SIZE, unpack_mxfp4_np
 
 # Tensors a K3 release carries that the text model does not read.
 _IGNORED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
@@ -84,11 +84,16 @@ def _resolve(model, cfg, name: str, dequant: bool) -> _Target | str | None:
         if layer.kind == "kda":
             H, dk = cfg.kda_num_heads, cfg.kda_head_dim
             if sub == "A_log":
-                def narrow(a, H=H):
-                    a = np.asarray(a, np.float32).reshape(-1)
-                    if a.size < H:
-                        raise CheckpointError(f"A_log has {a.size} entries, need {H} heads")
-                    return a[:H]  # per-head decay rates; the release pads to head_dim with zeros
+                def narrow(a, H=H, dk=dk):
+                    # per-head decay rates: [H] or Kimi Linear's [1, 1, H, 1]; the K3 release
+                    # pads them to [head_dim] with zeros. Anything else is mis-shaped.
+                    a = np.asarray(a, np.float32)
+                    if a.size == H and sum(d != 1 for d in a.shape) <= 1:
+                        return a.reshape(H)
+                    if a.ndim == 1 and a.shape[0] == dk and dk >= H:
+                        return a[:H]
+                    raise CheckpointError(f"has shape {list(a.shape)}, expected [{H}], [1, 1, {H}, 1] "
+                                          f"or [{dk}] (padded to head_dim)")
                 return _Target(attn.A_log, f"{base}.self_attn.A_log", convert=narrow, expect=None)
             m3 = re.match(r"^([qkv])_conv1d\.weight$", sub)
             if m3:
@@ -210,7 +215,8 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
 
     def place(tgt: _Target, arr: np.ndarray, name: str):
         var = tgt.var
-        shape, dtype = tuple(var.value.shape), var.value.dtype
+        cur = var.get_value()
+        shape, dtype = tuple(cur.shape), cur.dtype
         if tgt.expert is None:
             if arr.shape != shape:
                 raise CheckpointError(f"{source}: tensor {name!r} has shape {list(arr.shape)}, expected {list(shape)}")
@@ -230,37 +236,46 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
             del staged[id(var)]
             done.add(id(var))
 
-    seen = set()
     seen_stripped = {}
     for raw_name, read, shape in tensors:
         name = _strip(raw_name)
         if name is None:
             continue
-        seen_stripped[name] = raw_name
         tgt = _resolve(model, cfg, name, dequantize_experts)
         if tgt is None:
             raise CheckpointError(f"{source}: unexpected tensor {raw_name!r} (shape {list(shape)}) for this config")
-        if raw_name in seen:
-            raise CheckpointError(f"{source}: duplicate tensor {raw_name!r}")
-        seen.add(raw_name)
+        if name in seen_stripped:  # the same tensor twice, e.g. with and without "language_model."
+            raise CheckpointError(f"{source}: duplicate tensor {raw_name!r} (same as {seen_stripped[name]!r})")
+        seen_stripped[name] = raw_name
         if isinstance(tgt, str):  # MXFP4 part, dequantized at load
             m = _EXPERT.match(name.split(".", 3)[3])
             e, w, kind = int(m.group(1)), m.group(2), m.group(3)
+            layer = model.layers[int(tgt.split(".")[1])]
+            dense_var = getattr(layer.block_sparse_moe.experts, w)
+            n_rows, k = tuple(dense_var.get_value().shape[1:])
+            want = (n_rows, k // 2) if kind == "weight_packed" else (n_rows, k // GROUP_SIZE)
+            if tuple(shape) != want:
+                raise CheckpointError(f"{source}: tensor {raw_name!r} has shape {list(shape)}, expected {list(want)}")
             key = (tgt, e)
             parts = pending_mx.setdefault(key, {})
             parts[kind] = np.asarray(read())
             if len(parts) == 2:
-                dense = unpack_mxfp4_np(parts["weight_packed"], parts["weight_scale"])
-                layer = model.layers[int(tgt.split(".")[1])]
-                place(_Target(getattr(layer.block_sparse_moe.experts, w), tgt, expert=e), dense,
-                      raw_name.rsplit(".", 1)[0] + ".{weight_packed,weight_scale}")
+                pair = raw_name.rsplit(".", 1)[0] + ".{weight_packed,weight_scale}"
+                try:
+                    dense = unpack_mxfp4_np(parts["weight_packed"], parts["weight_scale"])
+                except ValueError as err:
+                    raise CheckpointError(f"{source}: tensors {pair!r}: {err}") from None
+                place(_Target(dense_var, tgt, expert=e), dense, pair)
                 del pending_mx[key]
             continue
         if tgt.expect is not None and tuple(shape) != tuple(tgt.expect):
             raise CheckpointError(f"{source}: tensor {raw_name!r} has shape {list(shape)}, expected {list(tgt.expect)}")
         arr = np.asarray(read())
         if tgt.convert is not None:
-            arr = tgt.convert(arr)
+            try:
+                arr = tgt.convert(arr)
+            except CheckpointError as err:
+                raise CheckpointError(f"{source}: tensor {raw_name!r} {err}") from None
         place(tgt, arr, raw_name)
 
     prefix = "language_model." if cfg.family == "kimi_k3" else ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -58,6 +59,10 @@ def load_error(path, **kw) -> str:
 
 def module_of(m):
     return nnx.merge(m.graphdef, m.params)
+
+
+def param_leaves(m):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(m.params)]
 
 
 @pytest.fixture(scope="module")
@@ -153,17 +158,11 @@ def test_sharded_checkpoint_matches_single_file(tmp_path, single, ids):
 
     m = load_pretrained(path)
     ref_m, ref_logits = single
-    got, want = jax_leaves(m), jax_leaves(ref_m)
+    got, want = param_leaves(m), param_leaves(ref_m)
     assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
     logits = m.logits(ids)
     assert logits.shape == ref_logits.shape
     assert rel_err(logits, ref_logits) <= 1e-6
-
-
-def jax_leaves(m):
-    import jax
-
-    return [np.asarray(x) for x in jax.tree_util.tree_leaves(m.params)]
 
 
 # ------------------------------------------------------------------ 6: dequantize at load
@@ -232,7 +231,7 @@ def test_expected_tensor_names_match_checkpoint(case, prefix):
 def test_synthetic_checkpoint_loads_and_generates(tmp_path):
     conf = k3_config(
         vocab_size=256, hidden_size=64, num_hidden_layers=5, full_attn_layers=[4, 5],
-        kda_num_heads=2, kda_head_dim=32, mla_heads=2, q_lora_rank=32, kv_lora_rank=32,
+        kda_num_heads=2, kda_head_dim=16, mla_heads=2, q_lora_rank=32, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=4,
         num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
         routed_expert_hidden_size=32, intermediate_size=64, attn_res_block_size=2,
