@@ -259,19 +259,14 @@ def k3_full() -> K3Config:
 def k3_small(**overrides) -> K3Config:
     """A small K3 with the release's structure (tests, planning examples)."""
     base = dict(
-        family="kimi_k3", vocab_size=512, hidden_size=64, num_hidden_layers=8,
-        layer_types=release_layer_types(8), rms_norm_eps=1e-5,
-        kda_num_heads=4, kda_head_dim=16, conv_kernel_size=4, gate_lower_bound=-5.0,
-        full_rank_output_gate=True, mla_num_heads=4, q_lora_rank=32, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, mla_output_gate=True,
-        mla_latent_eps=1e-6, hidden_act="situ", situ_beta=4.0, situ_linear_beta=25.0,
-        intermediate_size=96, first_k_dense_replace=1, moe_layer_freq=1, num_experts=16,
-        num_experts_per_token=4, num_shared_experts=2, moe_intermediate_size=32,
-        routed_expert_hidden_size=96, latent_moe_use_norm=True, routed_scaling_factor=1.0,
-        moe_renormalize=True, num_expert_group=1, topk_group=1, attn_res_block_size=3,
-        experts_mxfp4=True,
+        vocab_size=512, hidden_size=64, num_hidden_layers=8, layer_types=release_layer_types(8),
+        kda_num_heads=4, kda_head_dim=16, mla_num_heads=4, q_lora_rank=32, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=96,
+        num_experts=16, num_experts_per_token=4, moe_intermediate_size=32,
+        routed_expert_hidden_size=96, attn_res_block_size=3, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None, max_position_embeddings=4096,
     )
     base.update(overrides)
     if "num_hidden_layers" in overrides and "layer_types" not in overrides:
         base["layer_types"] = release_layer_types(base["num_hidden_layers"])
-    return K3Config(**base)._validated()
+    return k3_full().replace(**base)
