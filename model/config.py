@@ -66,6 +66,7 @@ class K3Config:
     eos_token_id: int | None = None
     pad_token_id: int | None = None
     max_position_embeddings: int | None = None
+    tie_word_embeddings: bool = False
 
     # ------------------------------------------------------------------ derived
     @property
@@ -102,7 +103,8 @@ class K3Config:
         return self.routed_expert_hidden_size or self.hidden_size
 
     def is_moe_layer(self, i: int) -> bool:
-        return i >= self.first_k_dense_replace and (i - self.first_k_dense_replace) % self.moe_layer_freq == 0
+        # Kimi's (and DeepSeek's) rule: MoE from first_k_dense_replace on, at multiples of the frequency
+        return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
 
     @property
     def num_attn_res_blocks(self) -> int:
@@ -208,6 +210,7 @@ class K3Config:
             eos_token_id=top.get("eos_token_id", text.get("eos_token_id")),
             pad_token_id=top.get("pad_token_id", text.get("pad_token_id")),
             max_position_embeddings=text.get("max_position_embeddings"),
+            tie_word_embeddings=bool(top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         )._validated()
 
     @classmethod

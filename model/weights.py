@@ -152,7 +152,9 @@ def _resolve(model, cfg, name: str, dequant: bool) -> _Target | str | None:
 
 def expected_tensor_names(cfg) -> list[str]:
     """Every tensor a checkpoint of ``cfg`` must hold (names without the K3 prefix)."""
-    names = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
     if cfg.uses_attn_res:
         names += ["model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight"]
     for i, kind in enumerate(cfg.layer_types):
@@ -283,6 +285,9 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
     if absent:
         more = f" (and {len(absent) - 10} more)" if len(absent) > 10 else ""
         raise CheckpointError(f"{source}: missing tensors: {', '.join(absent[:10])}{more}")
+    if cfg.tie_word_embeddings and "lm_head.weight" not in seen_stripped:
+        model.lm_head.weight.set_value(model.embed_tokens.get_value())
+        done.add(id(model.lm_head.weight))
     missing = sorted(by_id[i] for i in set(by_id) - done)
     if missing or pending_mx:
         detail = []

@@ -260,3 +260,47 @@ def test_out_of_range_token_id_is_a_value_error(single):
             m.logits([1, 2, bad, 3])
     with pytest.raises(ValueError, match=rf"token id {V}\b"):
         m.greedy([1, V], 2)
+
+
+def test_tied_embeddings_and_moe_layer_frequency(tmp_path):
+    """A config with tie_word_embeddings and no lm_head tensor reuses the embedding; with
+    moe_layer_freq 2, odd layers get the dense MLP (Kimi's ``i % freq == 0`` rule)."""
+    import json
+
+    from k3serve.checkpoints.synthetic import generate_checkpoint, k3_config
+    from k3serve.model import load_pretrained
+    from k3serve.checkpoints.safetensors_io import open_checkpoint, write_checkpoint
+
+    cfg = k3_config(vocab_size=256, hidden_size=64, num_hidden_layers=4, full_attn_layers=[4],
+                    kda_num_heads=2, kda_head_dim=16, mla_heads=2, q_lora_rank=32, kv_lora_rank=32,
+                    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=8,
+                    num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
+                    routed_expert_hidden_size=32, intermediate_size=64, attn_res_block_size=2)
+    src = generate_checkpoint(tmp_path / "src", cfg, seed=1)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    cfg["text_config"]["tie_word_embeddings"] = True
+    cfg["text_config"]["moe_layer_freq"] = 2
+    with open_checkpoint(src) as ck:
+        keep = []
+        for n in ck.keys():
+            if n.endswith("lm_head.weight"):
+                continue
+            if ".layers.1.block_sparse_moe." in n or ".layers.3.block_sparse_moe." in n:
+                continue
+            keep.append((n, ck.get(n)))
+        emb = ck.get("language_model.model.embed_tokens.weight")
+    import ml_dtypes
+    import numpy as np
+    rng = np.random.default_rng(0)
+    for l in (1, 3):  # dense MLPs where the frequency rule says so
+        for p, shape in (("gate_proj", (64, 64)), ("up_proj", (64, 64)), ("down_proj", (64, 64))):
+            keep.append((f"language_model.model.layers.{l}.mlp.{p}.weight",
+                         (rng.normal(size=shape) / 8).astype(ml_dtypes.bfloat16)))
+    dst = write_checkpoint(tmp_path / "dst", cfg, keep)
+    m = load_pretrained(dst)
+    assert m.config.tie_word_embeddings
+    assert [m.config.is_moe_layer(i) for i in range(4)] == [False, False, True, False]
+    mod = __import__("flax").nnx.merge(m.graphdef, m.params)
+    np.testing.assert_array_equal(np.asarray(mod.lm_head.weight.get_value()), np.asarray(emb, np.float32))
+    assert len(m.greedy([1, 2, 3], 2)) == 2
