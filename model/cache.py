@@ -6,7 +6,9 @@ Layouts (allocated here, owned by the engine's cache manager later):
   mla_kv    [nM, pages, page_size, kv_lora_rank + rope] (model dtype)   latent rows
 
 A running sequence owns one slot (``slot_ids``) and the pages listed in its row of
-``page_table``. Rows of a padded batch that carry no tokens (``seq_lens == 0``) leave their
+``page_table``. A row with ``start_pos == 0`` starts from a zero KDA state and conv window
+regardless of what its slot held, so slots need no reset between requests; a row with
+``start_pos > 0`` continues from its slot (after a chunk, or a restored prefix snapshot). Rows of a padded batch that carry no tokens (``seq_lens == 0``) leave their
 slot untouched, but should still point at a slot no live request owns (the engine keeps a
 scratch slot for this) because scatters with duplicate indices have no defined order.
 """

@@ -66,6 +66,9 @@ class KimiLM(nnx.Module):
         valid = t[None, :] < batch.seq_lens[:, None]
         kv_lens = batch.start_pos + batch.seq_lens
         slots = batch.slot_ids
+        # a row starting at position 0 begins from an empty KDA state and conv window,
+        # whatever its slot held before (slots are reused without a separate reset)
+        fresh = batch.start_pos == 0
 
         kda_state, kda_conv, mla_kv = cache.kda_state, cache.kda_conv, cache.mla_kv
         kda_idx = {l: j for j, l in enumerate(cfg.kda_layers)}
@@ -95,9 +98,9 @@ class KimiLM(nnx.Module):
             a_in = layer.input_layernorm(x).astype(cdt)
             if layer.kind == "kda":
                 j = kda_idx[l]
-                out, new_conv, new_state = layer.self_attn(
-                    a_in, kda_conv[j][slots], kda_state[j][slots], valid, batch.seq_lens, aux
-                )
+                conv_in = jnp.where(fresh[:, None, None], 0.0, kda_conv[j][slots])
+                state_in = jnp.where(fresh[:, None, None, None], 0.0, kda_state[j][slots])
+                out, new_conv, new_state = layer.self_attn(a_in, conv_in, state_in, valid, batch.seq_lens, aux)
                 kda_conv = kda_conv.at[j, slots].set(new_conv)
                 kda_state = kda_state.at[j, slots].set(new_state)
             else:

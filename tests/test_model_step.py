@@ -25,6 +25,11 @@ def test_padded_batch_rows_are_independent():
     # the untouched slot 0 stays zero (padding and other rows never write it)
     assert not np.asarray(cache.kda_state[:, 0]).any()
     assert not np.asarray(cache.kda_conv[:, 0]).any()
+    # reusing the dirty slots for new sequences (start_pos 0) needs no reset
+    batch = make_batch(tok[::-1], [0, 0], [len(b), len(a)], [2, 1], [[3, 1], [0, 2]])
+    logits, cache = m.step(cache, batch)
+    assert rel_err(np.asarray(logits[0, : len(b)]), m.logits(b)) < 1e-5
+    assert rel_err(np.asarray(logits[1, : len(a)]), m.logits(a)) < 1e-5
 
 
 def test_chunked_prefill_through_cache_equals_one_pass():
