@@ -2,6 +2,26 @@
 
 The repository root is this package; its folders (model/, kernels/, sharding/, server/,
 proto/, checkpoints/, tools/) are the subpackages ``k3serve.model`` and so on.
+
+``from k3serve import LLM, SamplingParams`` is the offline engine API (imported lazily, so
+``import k3serve`` stays cheap).
 """
 
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "Engine"]
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from .server.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from .server.sampling_params import SamplingParams
+
+        return SamplingParams
+    if name == "Engine":
+        from .server.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'k3serve' has no attribute {name!r}")

@@ -1,0 +1,246 @@
+"""Cache planning and the per-request cache bookkeeping the scheduler and runner share.
+
+Why this split: the device ``Cache`` (``k3serve.model.cache``) is just three arrays; which
+slot and which pages a request owns is host-side state that the scheduler must consult
+before admitting or growing a request, and that the runner turns into ``slot_ids`` and
+``page_table`` rows each step. Keeping both here, behind one small API, means finish,
+abort and preemption all go through the same ``release`` and cannot leak pages or slots;
+``check_invariants`` makes that checkable.
+
+Budget rule (``plan_capacity``): KDA slots are fixed-size and needed per *running request*,
+MLA pages grow with tokens. So slots come first: ``max_num_seqs`` request slots plus the
+scratch slot, at float32 state + conv window, whatever the model dtype. Everything left of
+the budget becomes MLA pages. A plan must hold at least one page per sequence, or it
+raises. A model without MLA layers has pages that cost 0 bytes; it gets a nominal page pool
+of ``max_num_seqs * ceil(tokens_per_seq / page_size)`` pages with ``tokens_per_seq =
+cfg.max_position_embeddings`` (or ``NOMINAL_TOKENS_PER_SEQ`` when unset), so page
+accounting never limits it below its context length.
+
+Device layout (allocated by ``allocate_cache`` with the plan's sizes):
+  kda_state [nK, num_slots, H, dk, dv]      float32, slot 0 = scratch (padding rows)
+  kda_conv  [nK, num_slots, W-1, 3*H*dk]    float32
+  mla_kv    [nM, num_pages, page_size, kv_lora_rank + qk_rope_head_dim]   model dtype
+
+Single-threaded by design: the engine loop owns the manager.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Hashable, Iterable, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from k3serve.model.cache import allocate_cache, cache_bytes
+
+from .pages import PagePool
+from .slots import SCRATCH, SlotPool
+
+NOMINAL_TOKENS_PER_SEQ = 131072  # page accounting for a model with no MLA layers and no max_position_embeddings
+
+
+@dataclasses.dataclass(frozen=True)
+class CachePlan:
+    num_pages: int
+    num_slots: int  # including the scratch slot
+    page_size: int
+    bytes_per_page: int  # one page across all MLA layers
+    bytes_per_slot: int  # one slot's state + conv window across all KDA layers
+    total_bytes: int  # the whole device cache
+    max_tokens_in_kv: int  # num_pages * page_size
+    max_concurrent_slots: int  # num_slots - 1
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = None,
+                  max_num_seqs: int, num_pages: int | None = None) -> CachePlan:
+    """Size the cache: ``max_num_seqs`` slots (+ scratch), then pages from what is left.
+
+    Give ``kv_memory_bytes`` (the device budget for the whole cache) or ``num_pages``
+    (explicit; if a budget is also given it is checked against it).
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    if kv_memory_bytes is None and num_pages is None:
+        raise ValueError("plan_capacity needs kv_memory_bytes or num_pages")
+    dtype = jnp.dtype(dtype)
+    num_slots = max_num_seqs + 1
+    # per-unit costs straight from the model's own layout, so they cannot drift from it
+    bytes_per_slot = cache_bytes(cfg, 1, 0, page_size, dtype)
+    bytes_per_page = cache_bytes(cfg, 0, 1, page_size, dtype)
+    slot_bytes = num_slots * bytes_per_slot
+
+    if num_pages is not None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        total = slot_bytes + num_pages * bytes_per_page
+        if kv_memory_bytes is not None and total > kv_memory_bytes:
+            raise ValueError(f"cache of {num_slots} slots and {num_pages} pages needs {total} bytes, "
+                             f"over the budget of {kv_memory_bytes} bytes")
+    else:
+        need = slot_bytes + max_num_seqs * bytes_per_page
+        if kv_memory_bytes < need:
+            raise ValueError(
+                f"kv_memory_bytes={kv_memory_bytes} cannot hold {max_num_seqs} sequences: "
+                f"{num_slots} KDA slots ({bytes_per_slot} bytes each, incl. scratch) plus one "
+                f"{page_size}-token MLA page per sequence ({bytes_per_page} bytes each) need {need} bytes; "
+                f"raise the budget or lower max_num_seqs / page_size")
+        if bytes_per_page == 0:
+            tokens = cfg.max_position_embeddings or NOMINAL_TOKENS_PER_SEQ
+            num_pages = max_num_seqs * _cdiv(tokens, page_size)
+        else:
+            num_pages = (kv_memory_bytes - slot_bytes) // bytes_per_page
+    total = cache_bytes(cfg, num_slots, num_pages, page_size, dtype)
+    return CachePlan(num_pages=int(num_pages), num_slots=num_slots, page_size=int(page_size),
+                     bytes_per_page=bytes_per_page, bytes_per_slot=bytes_per_slot, total_bytes=total,
+                     max_tokens_in_kv=int(num_pages) * int(page_size), max_concurrent_slots=num_slots - 1)
+
+
+@dataclasses.dataclass
+class _Request:
+    slot: int
+    pages: list[int]
+
+
+class CacheManager:
+    """The device cache plus who owns which slot and pages.
+
+    ``self.cache`` is the live device ``Cache``; the runner replaces it after each step
+    (``manager.cache = new_cache``). ``allocate=False`` keeps only the bookkeeping
+    (scheduler tests, planning) and leaves ``cache`` as None.
+    """
+
+    def __init__(self, cfg, plan: CachePlan, dtype, *, allocate: bool = True):
+        dtype = jnp.dtype(dtype)
+        expect = cache_bytes(cfg, plan.num_slots, plan.num_pages, plan.page_size, dtype)
+        if expect != plan.total_bytes:
+            raise ValueError(f"plan does not match this config/dtype ({dtype}): it budgets "
+                             f"{plan.total_bytes} bytes, the cache would take {expect}")
+        self.cfg, self.plan, self.dtype = cfg, plan, dtype
+        self.page_size = plan.page_size
+        self.pages = PagePool(plan.num_pages)
+        self.slots = SlotPool(plan.num_slots)
+        self._reqs: dict[Hashable, _Request] = {}
+        self.cache = (allocate_cache(cfg, plan.num_slots, plan.num_pages, plan.page_size, dtype)
+                      if allocate else None)
+
+    # ------------------------------------------------------------------ per request
+    def admit(self, rid: Hashable) -> bool:
+        """Give ``rid`` a slot and no pages; False if no slot is free."""
+        if rid in self._reqs:
+            raise ValueError(f"request {rid!r} is already admitted")
+        slot = self.slots.alloc()
+        if slot is None:
+            return False
+        self._reqs[rid] = _Request(slot, [])
+        return True
+
+    def pages_needed(self, rid: Hashable, total_tokens: int) -> int:
+        """Extra pages ``rid`` needs to hold ``total_tokens`` (0 if it already can)."""
+        have = len(self._req(rid).pages)
+        return max(0, _cdiv(max(total_tokens, 0), self.page_size) - have)
+
+    def ensure_tokens(self, rid: Hashable, total_tokens: int) -> bool:
+        """Grow ``rid``'s pages to cover ``total_tokens``; all or nothing. Never shrinks."""
+        n = self.pages_needed(rid, total_tokens)
+        if n == 0:
+            return True
+        new = self.pages.alloc(n)
+        if new is None:
+            return False
+        self._reqs[rid].pages.extend(new)
+        return True
+
+    def release(self, rid: Hashable) -> None:
+        """Return ``rid``'s pages (decref) and slot. Finish, abort and preemption alike."""
+        req = self._reqs.pop(rid)  # KeyError for an unknown rid
+        self.pages.decref(req.pages)
+        self.slots.free(req.slot)
+
+    def pages_of(self, rid: Hashable) -> list[int]:
+        return list(self._req(rid).pages)
+
+    def slot_of(self, rid: Hashable) -> int:
+        return self._req(rid).slot
+
+    def page_table_row(self, rid: Hashable, width: int) -> np.ndarray:
+        """``rid``'s pages in order, padded with page 0 (masked reads) to ``width``; int32."""
+        pages = self._req(rid).pages
+        if len(pages) > width:
+            raise ValueError(f"request {rid!r} holds {len(pages)} pages, more than the page-table width {width}")
+        row = np.zeros((width,), np.int32)
+        row[: len(pages)] = pages
+        return row
+
+    def page_table(self, rids: Iterable[Hashable | None], width: int) -> np.ndarray:
+        """``[len(rids), width]`` int32; a None entry is a padding row (all page 0)."""
+        rids = list(rids)
+        out = np.zeros((len(rids), width), np.int32)
+        for i, rid in enumerate(rids):
+            if rid is not None:
+                out[i] = self.page_table_row(rid, width)
+        return out
+
+    def slot_ids(self, rids: Iterable[Hashable | None]) -> np.ndarray:
+        """``[len(rids)]`` int32 slots; a None entry is a padding row (the scratch slot)."""
+        return np.asarray([SCRATCH if r is None else self._req(r).slot for r in rids], np.int32)
+
+    def live_requests(self) -> list[Hashable]:
+        return list(self._reqs)
+
+    def __contains__(self, rid: Hashable) -> bool:
+        return rid in self._reqs
+
+    def _req(self, rid: Hashable) -> _Request:
+        try:
+            return self._reqs[rid]
+        except KeyError:
+            raise KeyError(f"unknown request {rid!r}") from None
+
+    # ------------------------------------------------------------------ totals
+    @property
+    def num_free_pages(self) -> int:
+        return self.pages.num_free
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.slots.num_free
+
+    def capacity(self) -> dict:
+        p = self.plan
+        return {"max_tokens_in_kv": p.max_tokens_in_kv, "max_concurrent_slots": p.max_concurrent_slots,
+                "page_size": p.page_size, "num_pages": p.num_pages, "num_slots": p.num_slots,
+                "total_bytes": p.total_bytes}
+
+    def check_invariants(self, extra_page_refs: Mapping[int, int] | None = None) -> None:
+        """Raise AssertionError unless pools and per-request state agree.
+
+        ``extra_page_refs`` counts holders outside the live requests (e.g. a prefix cache).
+        """
+        self.pages.check_invariants()
+        self.slots.check_invariants()
+        holders: Counter[int] = Counter({p: k for p, k in (extra_page_refs or {}).items() if k})
+        slots_seen: dict[int, Hashable] = {}
+        for rid, req in self._reqs.items():
+            assert len(set(req.pages)) == len(req.pages), f"request {rid!r} holds a page twice: {req.pages}"
+            holders.update(req.pages)
+            assert req.slot != SCRATCH, f"request {rid!r} holds the scratch slot"
+            assert req.slot not in slots_seen, f"slot {req.slot} held by both {slots_seen[req.slot]!r} and {rid!r}"
+            assert self.slots.is_used(req.slot), f"request {rid!r} holds slot {req.slot}, which the pool marks free"
+            slots_seen[req.slot] = rid
+        for p in range(self.pages.num_pages):
+            r = self.pages.refcount(p)
+            assert r == holders.get(p, 0), f"page {p}: refcount {r}, but {holders.get(p, 0)} holders"
+        assert self.pages.num_free + self.pages.num_used == self.pages.num_pages, "page counts do not add up"
+        assert self.pages.num_used == len(holders), f"{self.pages.num_used} pages in use, {len(holders)} held"
+        assert self.slots.num_used == len(self._reqs), f"{self.slots.num_used} slots in use for {len(self._reqs)} requests"
+        if self.cache is not None:
+            c = self.cache
+            assert (c.num_slots, c.num_pages, c.page_size) == (self.plan.num_slots, self.plan.num_pages, self.page_size), \
+                f"device cache (slots, pages, page_size) = {(c.num_slots, c.num_pages, c.page_size)} differs from the plan"

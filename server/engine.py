@@ -1,0 +1,159 @@
+"""The engine: requests in, tokens out, one jitted step at a time.
+
+``Engine.step()`` asks the scheduler for a plan (continuous batching with chunked prefill and
+preemption), runs it through the runner (one jitted model step + batched sampling), then
+appends sampled tokens, advances each request through the cache and finishes requests on
+``max_new_tokens``, stop token ids (the config's eos — K3's ``<|end_of_msg|>`` — unless
+``ignore_eos``), ``max_model_len``, or abort. Finished and aborted requests return their
+pages and slot at once.
+
+Stop strings need a tokenizer; the engine matches them when one is given (``detokenize``).
+"""
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable
+
+import numpy as np
+
+from .cache import CacheManager, plan_capacity
+from .request import Request, RequestOutput, Status
+from .runner import Runner
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+
+
+class Engine:
+    def __init__(self, model, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
+                 chunk_size: int = 64, page_size: int = 16, kv_memory_bytes: int | None = None,
+                 num_pages: int | None = None, max_model_len: int = 2048, max_logprobs: int = 20,
+                 warmup: bool = True, detokenize: Callable[[list[int]], str] | None = None):
+        cfg = model.config
+        self.model = model
+        self.max_model_len = max_model_len
+        self.detokenize = detokenize
+        if kv_memory_bytes is None and num_pages is None:
+            num_pages = max_num_seqs * -(-max_model_len // page_size)
+        self.plan = plan_capacity(cfg, page_size=page_size, dtype=model.dtype, kv_memory_bytes=kv_memory_bytes,
+                                  max_num_seqs=max_num_seqs, num_pages=num_pages)
+        self.cache = CacheManager(cfg, self.plan, model.dtype)
+        chunk_size = min(chunk_size, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, chunk_size=chunk_size)
+        self.runner = Runner(model, self.cache, max_num_seqs=max_num_seqs, chunk_size=chunk_size,
+                             max_model_len=max_model_len, max_logprobs=max_logprobs)
+        self.requests: dict[str, Request] = {}
+        self.warmup_s = 0.0
+        self.num_steps = 0
+        self.num_preemptions = 0
+        if warmup:
+            t = time.perf_counter()
+            self.runner.warmup()
+            self.warmup_s = time.perf_counter() - t
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt, params: SamplingParams | None = None, *, rid: str | None = None,
+                    priority: int = 0) -> str:
+        params = params or SamplingParams()
+        ids = [int(t) for t in np.asarray(prompt).reshape(-1)]
+        V = self.model.config.vocab_size
+        if not ids:
+            raise ValueError("prompt must contain at least one token id")
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"token id {bad[0]} out of range [0, {V})")
+        total = len(ids) + params.max_new_tokens
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len {self.max_model_len}")
+        if total > self.plan.max_tokens_in_kv:
+            raise ValueError(f"prompt + max_new_tokens = {total} tokens exceeds the KV capacity "
+                             f"({self.plan.max_tokens_in_kv} tokens)")
+        if rid is not None and rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else random.getrandbits(31)
+        req = Request(prompt=ids, params=params, rid=rid or "", priority=priority, seed=seed)
+        self.requests[req.rid] = req
+        self.scheduler.add(req)
+        return req.rid
+
+    def abort(self, rid: str) -> bool:
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return False
+        self._finish(req, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _finish(self, req: Request, reason: str, matched=None) -> None:
+        self.scheduler.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.matched_stop = matched
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns an output for every request that progressed or ended."""
+        # requests aborted since the last step still owe their final output
+        touched: dict[str, Request] = {r.rid: r for r in self.requests.values()
+                                       if r.finished and r.emitted <= len(r.output)}
+        plan = self.scheduler.schedule()
+        self.num_preemptions += len(plan.preempted)
+        if plan.rows:
+            out = self.runner.execute(plan.rows)
+            self.num_steps += 1
+            for i, row in enumerate(plan.rows):
+                req = row.req
+                req.num_computed += row.num_tokens
+                touched[req.rid] = req
+                if not row.samples:
+                    continue
+                tok = int(out.tokens[i])
+                req.output.append(tok)
+                if req.params.logprobs is not None:
+                    n = req.params.logprobs
+                    req.logprobs.append((float(out.logprob[i]),
+                                         [(int(a), float(b)) for a, b in zip(out.top_ids[i][:n], out.top_logprobs[i][:n])]))
+                self._check_stop(req, tok)
+        outputs = []
+        for req in touched.values():
+            new = req.output[req.emitted:]
+            if not new and not req.finished:
+                continue
+            lps = list(req.logprobs) if req.params.logprobs is not None else None
+            req.emitted = len(req.output) + (1 if req.finished else 0)
+            outputs.append(RequestOutput(req.rid, list(new), list(req.output), req.finished, req.finish_reason,
+                                         req.matched_stop, len(req.prompt), len(req.output), lps))
+        for req in [r for r in self.requests.values() if r.finished and r.emitted > len(r.output)]:
+            del self.requests[req.rid]
+        return outputs
+
+    def _check_stop(self, req: Request, tok: int) -> None:
+        p = req.params
+        if len(req.output) >= p.min_new_tokens:
+            eos = self.model.config.eos_token_id
+            if tok in p.stop_token_ids or (eos is not None and tok == eos and not p.ignore_eos):
+                return self._finish(req, "stop", tok)
+            if p.stop and self.detokenize is not None:
+                text = self.detokenize(req.output)
+                for s in p.stop:
+                    if s and s in text:
+                        return self._finish(req, "stop", s)
+        if len(req.output) >= p.max_new_tokens or req.num_tokens >= self.max_model_len:
+            self._finish(req, "length")
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict:
+        return {
+            "num_compiles": self.runner.num_compiles,
+            "num_steps": self.num_steps,
+            "num_preemptions": self.num_preemptions,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "free_pages": self.cache.num_free_pages,
+            "free_slots": self.cache.num_free_slots,
+            "warmup_s": self.warmup_s,
+            **self.cache.capacity(),
+        }

@@ -1,0 +1,80 @@
+"""A request's life in the engine: tokens, progress through the cache, and outputs.
+
+``num_computed`` counts the tokens of ``prompt + output`` whose MLA rows and KDA state are
+in the cache. A request in prefill has many uncomputed tokens; in decode exactly one (the
+last sampled token). Preemption drops the cache (``num_computed = 0``) and the request is
+recomputed later from ``prompt + output`` — generated tokens are kept, never re-sampled.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import time
+
+from .sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    rid: str = ""
+    priority: int = 0  # lower value is served first; FCFS among equals
+    seed: int = 0
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    order: int = dataclasses.field(default_factory=lambda: next(_ids))
+    output: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)  # per output token: (lp, [(id, lp), ...])
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    matched_stop: int | str | None = None
+    num_preemptions: int = 0
+    emitted: int = 0  # output tokens already handed to the caller
+
+    def __post_init__(self):
+        if not self.rid:
+            self.rid = f"req-{self.order}"
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def remaining(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def sort_key(self):
+        return (self.priority, self.order)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What the engine reports for a request after a step (``new_token_ids`` since last)."""
+
+    rid: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    matched_stop: int | str | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list | None = None  # per output token so far: (logprob, [(id, logprob), ...])

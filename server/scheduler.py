@@ -1,0 +1,106 @@
+"""Continuous batching: which requests run this step, with how many tokens.
+
+Each step has a token budget (``max_num_batched_tokens``) and a row limit
+(``max_num_seqs``). Running requests are served first, oldest (by priority, then arrival)
+first: a decode row takes one token, a prefill takes a chunk of at most ``chunk_size``
+tokens — so one step mixes prefill chunks and decode rows. Waiting requests are then
+admitted FCFS while a KDA slot, pages and budget remain.
+
+When pages run out for a running request, the newest running requests not yet scheduled in
+this step are preempted (their pages and slot freed; they are recomputed later from
+prompt + output). The oldest running request therefore always makes progress, and since a
+request is only accepted if it fits the whole KV cache on its own, nothing deadlocks.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+from .request import Request, Status
+
+
+@dataclasses.dataclass
+class ScheduledRow:
+    req: Request
+    start: int  # first token position computed in this step (= req.num_computed)
+    num_tokens: int
+    samples: bool  # the chunk reaches the end of the request's tokens: sample a new token
+
+
+@dataclasses.dataclass
+class StepPlan:
+    rows: list[ScheduledRow]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+
+class Scheduler:
+    def __init__(self, cache, *, max_num_seqs: int, max_num_batched_tokens: int, chunk_size: int):
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunk_size = chunk_size
+        self.waiting: list[Request] = []  # sorted by sort_key
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        keys = [r.sort_key() for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, req.sort_key()), req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out (finish or abort) and free what it holds."""
+        if req in self.running:
+            self.running.remove(req)
+            self.cache.release(req.rid)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def _preempt(self, req: Request, plan: StepPlan) -> None:
+        self.running.remove(req)
+        self.cache.release(req.rid)
+        req.num_computed = 0
+        req.num_preemptions += 1
+        plan.preempted.append(req)
+        self.add(req)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan([], [])
+        budget = self.max_num_batched_tokens
+        scheduled: set[str] = set()
+        for req in sorted(self.running, key=Request.sort_key):
+            if req.status is not Status.RUNNING or len(plan.rows) >= self.max_num_seqs or budget <= 0:
+                continue
+            n = min(req.remaining, self.chunk_size, budget)
+            while not self.cache.ensure_tokens(req.rid, req.num_computed + n):
+                victims = [r for r in self.running if r.rid not in scheduled and r is not req]
+                victim = max(victims, key=Request.sort_key) if victims else req
+                self._preempt(victim, plan)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                continue
+            plan.rows.append(ScheduledRow(req, req.num_computed, n, req.num_computed + n == req.num_tokens))
+            scheduled.add(req.rid)
+            budget -= n
+        # admit waiting requests (not ones preempted in this very step)
+        while self.waiting and len(plan.rows) < self.max_num_seqs and budget > 0 and not plan.preempted:
+            req = self.waiting[0]
+            if not self.cache.admit(req.rid):
+                break
+            n = min(req.remaining, self.chunk_size, budget)
+            if not self.cache.ensure_tokens(req.rid, n):
+                self.cache.release(req.rid)
+                break
+            self.waiting.pop(0)
+            self.running.append(req)
+            req.status = Status.RUNNING
+            plan.rows.append(ScheduledRow(req, 0, n, n == req.num_tokens))
+            budget -= n
+        return plan

@@ -1,0 +1,364 @@
+"""The batched sampler: greedy exactness, penalty arithmetic, filters, the sampled
+distribution, seed/step determinism independent of batch company, suppression, logprobs,
+and SamplingParams validation.
+
+Random draws are keyed by fixed seeds, so every statistical check here is deterministic;
+bounds are set loose enough (p ~ 1e-5 under the null) that a correct sampler with another
+PRNG stream would pass too.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from k3serve.server.sampler import (
+    SampleOutput,
+    SamplerInputs,
+    apply_penalties,
+    bucket_len,
+    build_sampler_inputs,
+    sample,
+    seed_to_u32,
+)
+from k3serve.server.sampling_params import SamplingParams as SP
+
+
+# Few distinct shapes, so the suite compiles few programs (~2 s each on CPU): statistical
+# checks use [N, VS] = [4096, 8]; the rest use [B, V] = [8, 64].
+N, VS = 4096, 8
+B, V = 8, 64
+
+
+def _run(logits, params, *, steps=None, prompts=None, outputs=None, suppress=None,
+         seeds=None, num_logprobs=0, pad_rows_to=None) -> tuple[SampleOutput, SamplerInputs]:
+    """Build inputs for ``params`` and sample; ``logits`` rows beyond ``len(params)`` are
+    padding (zero rows are appended up to ``pad_rows_to``)."""
+    n = len(params)
+    logits = np.asarray(logits, np.float32)
+    if pad_rows_to is not None and logits.shape[0] < pad_rows_to:
+        logits = np.concatenate(
+            [logits, np.zeros((pad_rows_to - logits.shape[0], logits.shape[1]), np.float32)])
+    inp = build_sampler_inputs(
+        params,
+        seeds if seeds is not None else [p.seed if p.seed is not None else 0 for p in params],
+        steps if steps is not None else [0] * n,
+        prompts if prompts is not None else [[]] * n,
+        outputs if outputs is not None else [[]] * n,
+        suppress,
+        pad_rows_to=pad_rows_to,
+    )
+    return sample(logits, inp, num_logprobs), inp
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def _chi2(counts, probs):
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+RNG = np.random.default_rng(0)
+
+
+# ------------------------------------------------------------------------------ greedy
+
+
+def test_greedy_is_argmax_alone_and_among_sampled_rows():
+    logits = RNG.normal(size=(B, V)).astype(np.float32)
+    out, _ = _run(logits, [SP(temperature=0.0)] * B)
+    np.testing.assert_array_equal(np.asarray(out.tokens), logits.argmax(1))
+    # greedy rows stay exact when the batch also holds sampled rows (the sort path runs)
+    params = [SP(temperature=0.0), SP(temperature=1.3, seed=5)] * (B // 2)
+    out, _ = _run(logits, params)
+    np.testing.assert_array_equal(np.asarray(out.tokens)[::2], logits.argmax(1)[::2])
+    # a tiny temperature counts as greedy too
+    out, _ = _run(logits, [SP(temperature=1e-7, seed=s) for s in range(B)])
+    np.testing.assert_array_equal(np.asarray(out.tokens), logits.argmax(1))
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy():
+    logits = (RNG.normal(size=(N, VS)) * 2).astype(np.float32)
+    for kw in ({"top_k": 1}, {"top_p": 1e-6}):
+        params = [SP(temperature=1.5, seed=s, **kw) for s in range(N)]
+        out, _ = _run(logits, params)
+        np.testing.assert_array_equal(np.asarray(out.tokens), logits.argmax(1), err_msg=str(kw))
+    # sanity: without the filter these rows do not all come out greedy
+    out, _ = _run(logits, [SP(temperature=1.5, seed=s) for s in range(N)])
+    assert (np.asarray(out.tokens) != logits.argmax(1)).sum() > N // 4
+
+
+# --------------------------------------------------------------------------- penalties
+
+
+def _np_penalize(logits, params, prompts, outputs, suppress):
+    out = logits.astype(np.float32).copy()
+    for i, p in enumerate(params):
+        V = out.shape[1]
+        counts = np.bincount(np.asarray(outputs[i], np.int64), minlength=V).astype(np.float32)
+        seen = counts > 0
+        seen[np.asarray(prompts[i], np.int64)] = True
+        row = out[i]
+        rp = np.float32(p.repetition_penalty)
+        pen = np.where(row > 0, row / rp, row * rp)
+        row = np.where(seen, pen, row)
+        row = row - (np.float32(p.frequency_penalty) * counts
+                     + np.float32(p.presence_penalty) * (counts > 0).astype(np.float32))
+        row[np.asarray(suppress[i], np.int64)] = -np.inf
+        out[i] = row
+    return out
+
+
+def test_penalties_match_numpy():
+    logits = RNG.normal(size=(5, V)).astype(np.float32) * 3
+    logits[:, 0] = 0.0  # a zero logit stays zero under the repetition penalty
+    params = [
+        SP(temperature=0, repetition_penalty=1.3),
+        SP(temperature=0, repetition_penalty=0.7, frequency_penalty=0.5),
+        SP(temperature=0, presence_penalty=1.5, frequency_penalty=-0.4),
+        SP(temperature=0, repetition_penalty=2.0, frequency_penalty=2.0, presence_penalty=-2.0),
+        SP(temperature=0),  # no penalties: only suppression applies
+    ]
+    prompts = [[0, 1, 2, 2, 9], [3, 4], [5, 6, 7], [1, 63, 63], [1, 2, 3]]
+    outputs = [[9, 9, 10], [4, 4, 4, 11], [6, 6, 12, 13, 13, 13], [], [4, 4]]
+    suppress = [[], [14], [2, 3], [0], [7, 8]]
+    out, inp = _run(logits, params, prompts=prompts, outputs=outputs, suppress=suppress,
+                    pad_rows_to=B)
+    got = np.asarray(apply_penalties(np.pad(logits, ((0, B - 5), (0, 0))), inp))[:5]
+    want = _np_penalize(logits, params, prompts, outputs, suppress)
+    assert np.array_equal(np.isneginf(got), np.isneginf(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-6, atol=1e-6)
+    # something actually changed in every penalized row
+    for i in range(4):
+        assert not np.allclose(np.where(fin[i], got[i], 0), np.where(fin[i], logits[i], 0))
+    np.testing.assert_array_equal(np.asarray(out.tokens)[:5], want.argmax(1))
+    # the inputs fed to the device leave out histories no setting reads
+    assert not (np.asarray(inp.prompt_ids)[2] >= 0).any()  # no repetition penalty
+    assert not (np.asarray(inp.output_ids)[4] >= 0).any()  # no penalty at all
+
+
+# ----------------------------------------------------------------------------- filters
+
+
+def _many_seeds(row_logits, **kw):
+    logits = np.broadcast_to(np.asarray(row_logits, np.float32), (N, VS))
+    out, _ = _run(logits, [SP(seed=s, **kw) for s in range(N)])
+    return np.asarray(out.tokens)
+
+
+def test_top_k_keeps_exactly_the_k_best():
+    logits = RNG.normal(size=VS).astype(np.float32)
+    toks = _many_seeds(logits, temperature=3.0, top_k=3)
+    assert set(toks.tolist()) == set(np.argsort(-logits)[:3].tolist())
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    probs = np.array([0.05, 0.4, 0.12, 0.25, 0.08, 0.04, 0.03, 0.03])
+    # sorted: 1 (.40), 3 (.25), 2 (.12), 4 (.08), 0 (.05), 5, 6, 7; mass before: 0 .4 .65 .77
+    logits = np.log(probs)
+    assert set(_many_seeds(logits, top_p=0.6).tolist()) == {1, 3}
+    assert set(_many_seeds(logits, top_p=0.7).tolist()) == {1, 3, 2}
+    assert set(_many_seeds(logits, top_p=0.3).tolist()) == {1}
+    assert set(_many_seeds(logits, top_p=1.0).tolist()) == set(range(VS))
+
+
+def test_min_p_drops_tokens_below_threshold():
+    # p / p_max = exp(x - 2): tokens 0, 1 and 4 are >= 0.3 of the top, the rest below
+    logits = np.array([2.0, 1.9, 0.0, -1.0, 0.9, 0.7, -3.0, 0.75], np.float32)
+    toks = _many_seeds(logits, min_p=0.3)
+    assert set(toks.tolist()) == {0, 1, 4}
+    # min_p applies after temperature: at T=0.5 the ratio for token 4 is exp(-2.2) < 0.3
+    toks = _many_seeds(logits, min_p=0.3, temperature=0.5)
+    assert set(toks.tolist()) == {0, 1}
+
+
+def test_suppressed_ids_are_never_chosen():
+    logits = np.zeros((N, VS), np.float32)
+    logits[:, 3] = 10.0
+    logits[:, 5] = 9.0
+    params = [SP(temperature=0.0)] + [SP(temperature=2.0, seed=s) for s in range(N - 1)]
+    out, _ = _run(logits, params, suppress=[[3, 5]] * N)
+    toks = np.asarray(out.tokens)
+    assert not np.isin(toks, [3, 5]).any()
+    assert toks[0] == 0  # greedy: lowest id among the remaining ties
+    assert set(toks[1:].tolist()) == {0, 1, 2, 4, 6, 7}
+
+
+# ------------------------------------------------------------------------ distribution
+
+
+def test_temperature_sampling_matches_softmax():
+    logits = np.array([1.0, 0.0, -0.5, 0.3, -1.0, 0.8, -2.0, 0.1], np.float32)
+    steps = list(range(N))  # one request over N consecutive steps
+    L = np.broadcast_to(logits, (N, VS))
+    out, _ = _run(L, [SP(temperature=0.7, seed=42)] * N, steps=steps)
+    counts = np.bincount(np.asarray(out.tokens), minlength=VS)
+    assert _chi2(counts, _softmax(logits / 0.7)) < 36.0  # df=7, p ~ 1e-5
+    # penalized + filtered: presence 0.5 on token 0, then T=1.2, then top_k=5
+    out, _ = _run(L, [SP(temperature=1.2, top_k=5, presence_penalty=0.5, seed=7)] * N,
+                  steps=steps, outputs=[[0]] * N)
+    counts = np.bincount(np.asarray(out.tokens), minlength=VS)
+    x = (logits - 0.5 * (np.arange(VS) == 0)) / 1.2
+    kept = np.sort(np.argsort(-x)[:5])
+    assert counts[np.setdiff1d(np.arange(VS), kept)].sum() == 0
+    assert _chi2(counts[kept], _softmax(x[kept])) < 29.0  # df=4, p ~ 1e-5
+
+
+# ------------------------------------------------------------------------- determinism
+
+
+@pytest.mark.parametrize("req", [
+    SP(temperature=0.9, top_k=50, top_p=0.95, min_p=0.01, repetition_penalty=1.1,
+       frequency_penalty=0.3, presence_penalty=0.2, logprobs=5),
+    # no top-k/top-p: alone it takes the sort-free path, in the batch the sorted one
+    SP(temperature=0.8, min_p=0.05, frequency_penalty=0.3),
+], ids=["filters", "min_p_only"])
+def test_same_seed_and_step_give_same_token_whatever_the_batch(req):
+    r_logits = RNG.normal(size=V).astype(np.float32) * 2
+    r_prompt, r_out = [1, 2, 3, 4, 5], [7, 7, 9]
+    # neighbours: (params, seed, step, prompt, output, suppress); one prompt of 40 puts the
+    # batch in a longer prompt bucket than the request alone
+    nb = [
+        (SP(temperature=0.0), 11, 0, [], [], []),
+        (SP(temperature=1.0, top_p=0.5, repetition_penalty=1.5), 12, 100, list(range(40)),
+         [3], [1]),
+        (SP(temperature=2.0, top_k=3), 13, 5, [5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], []),
+        (SP(temperature=0.5, min_p=0.1, presence_penalty=-1.0), 14, 9, [], [60, 61], [2, 3]),
+    ]
+    alone, together = [], []
+    for seed in range(12):
+        step = 3 + seed
+        o1, _ = _run(r_logits[None], [req], seeds=[seed], steps=[step], prompts=[r_prompt],
+                     outputs=[r_out], suppress=[[0]], num_logprobs=5)
+        rows = nb[:3] + [(req, seed, step, r_prompt, r_out, [0])] + nb[3:]
+        lg = RNG.normal(size=(5, V)).astype(np.float32) * 2
+        lg[3] = r_logits
+        o5, inp = _run(lg, [r[0] for r in rows], seeds=[r[1] for r in rows],
+                       steps=[r[2] for r in rows], prompts=[r[3] for r in rows],
+                       outputs=[r[4] for r in rows], suppress=[r[5] for r in rows],
+                       num_logprobs=5, pad_rows_to=B)
+        assert inp.prompt_ids.shape[1] == 64
+        alone.append(int(o1.tokens[0]))
+        together.append(int(o5.tokens[3]))
+        assert float(o1.logprob[0]) == float(o5.logprob[3])
+        np.testing.assert_array_equal(np.asarray(o1.top_ids[0]), np.asarray(o5.top_ids[3]))
+    assert alone == together
+    assert len(set(alone)) > 4  # the draws really are random
+
+
+def test_steps_and_seeds_change_the_draw_and_repeats_do_not():
+    logits = np.zeros((N, VS), np.float32)
+    a, _ = _run(logits, [SP(seed=9)] * N, steps=list(range(N)))
+    b, _ = _run(logits, [SP(seed=9)] * N, steps=list(range(N)))
+    c, _ = _run(logits, [SP(seed=s) for s in range(N)], steps=[0] * N)
+    a, b, c = (np.asarray(o.tokens) for o in (a, b, c))
+    np.testing.assert_array_equal(a, b)  # same seed + step: same token
+    uniform = np.full(VS, 1.0 / VS)
+    # one seed over many steps, and many seeds at one step, both look uniform
+    assert _chi2(np.bincount(a, minlength=VS), uniform) < 36.0
+    assert _chi2(np.bincount(c, minlength=VS), uniform) < 36.0
+    # and the two streams agree only by chance (1/8)
+    assert abs((a == c).mean() - 1.0 / VS) < 0.04
+
+
+# ---------------------------------------------------------------------------- logprobs
+
+
+def test_logprobs_are_raw_log_softmax_and_sorted():
+    n = 5
+    logits = (RNG.normal(size=(B, V)) * 3).astype(np.float32)
+    params = [SP(temperature=0.0, repetition_penalty=1.8, logprobs=n),
+              SP(temperature=2.0, top_k=10, seed=1, presence_penalty=2.0, logprobs=n)] * (B // 2)
+    out, _ = _run(logits, params, outputs=[[int(logits[i].argmax())] for i in range(B)],
+                  suppress=[[1]] * B, num_logprobs=n)
+    ref = _log_softmax(logits)
+    toks = np.asarray(out.tokens)
+    np.testing.assert_allclose(np.asarray(out.logprob), ref[np.arange(B), toks], atol=2e-5)
+    top_ids, top_lp = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+    assert top_ids.shape == (B, n) and top_lp.shape == (B, n)
+    np.testing.assert_array_equal(top_ids, np.argsort(-ref, axis=1, kind="stable")[:, :n])
+    np.testing.assert_allclose(top_lp, np.take_along_axis(ref, top_ids, 1), atol=2e-5)
+    assert (np.diff(top_lp, axis=1) <= 0).all()
+    # the penalty moved the greedy choice away from the raw argmax: its logprob is raw
+    assert (toks[0::2] != logits.argmax(1)[0::2]).all()
+    out0, _ = _run(logits, params)
+    assert out0.top_ids.shape == (B, 0) and out0.top_logprobs.shape == (B, 0)
+
+
+# -------------------------------------------------------------------- host-side inputs
+
+
+def test_build_sampler_inputs_padding_and_buckets():
+    params = [SP(temperature=0.5, top_k=-1, repetition_penalty=1.2, seed=2**40 + 3)]
+    inp = build_sampler_inputs(params, None, [4], [list(range(40))], [[1, 2]], [[0]],
+                               pad_rows_to=4)
+    assert inp.temperature.shape == (4,)
+    assert inp.prompt_ids.shape == (4, 64) and inp.output_ids.shape == (4, 8)
+    assert inp.suppress_ids.shape == (4, 8)
+    np.testing.assert_array_equal(np.asarray(inp.temperature), [0.5, 0, 0, 0])
+    np.testing.assert_array_equal(np.asarray(inp.top_k), [0, 0, 0, 0])
+    np.testing.assert_array_equal(np.asarray(inp.repetition_penalty), np.float32([1.2, 1, 1, 1]))
+    np.testing.assert_array_equal(np.asarray(inp.top_p), [1, 1, 1, 1])
+    assert int(inp.seed[0]) == seed_to_u32(2**40 + 3) != 3
+    assert (np.asarray(inp.prompt_ids)[1:] == -1).all()
+    assert [bucket_len(n) for n in (0, 1, 8, 9, 100)] == [8, 8, 8, 16, 128]
+    inp = build_sampler_inputs(params, [1], [0], [[1, 2]], [[]], None, pad_len_to=(3, 5, 1))
+    assert inp.prompt_ids.shape == (1, 3) and inp.output_ids.shape == (1, 5)
+    with pytest.raises(ValueError, match="prompt length 1 < 2"):
+        build_sampler_inputs(params, [1], [0], [[1, 2]], [[]], None, pad_len_to=1)
+    with pytest.raises(ValueError, match="no seed"):
+        build_sampler_inputs([SP()], None, [0], [[]], [[]])
+    with pytest.raises(ValueError, match="pad_rows_to"):
+        build_sampler_inputs([SP(seed=1)] * 2, None, [0, 0], [[]] * 2, [[]] * 2, pad_rows_to=1)
+
+
+# -------------------------------------------------------------------- SamplingParams
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+    ({"max_new_tokens": 2.0}, "max_new_tokens must be an int"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": 1.01}, "top_p"),
+    ({"min_p": -0.01}, "min_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be finite and > 0"),
+    ({"frequency_penalty": 2.5}, r"frequency_penalty must be in \[-2, 2\]"),
+    ({"presence_penalty": -2.01}, "presence_penalty"),
+    ({"seed": 1.5}, "seed"),
+    ({"seed": True}, "seed"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"min_new_tokens": -1}, "min_new_tokens must be >= 0"),
+    ({"min_new_tokens": 20, "max_new_tokens": 10}, "must be <= max_new_tokens"),
+    ({"stop": "END"}, "not a single string"),
+    ({"stop": ["ok", ""]}, "non-empty"),
+    ({"stop_token_ids": [1, -3]}, "stop_token_ids"),
+    ({"ignore_eos": 1}, "ignore_eos"),
+])
+def test_sampling_params_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SP(**kwargs)
+
+
+def test_sampling_params_defaults_and_normalization():
+    p = SP()
+    assert (p.max_new_tokens, p.temperature, p.top_k, p.top_p, p.min_p) == (16, 1.0, 0, 1.0, 0.0)
+    assert p.seed is None and p.logprobs is None and not p.greedy
+    p = SP(stop=["a", "bc"], stop_token_ids=[2, 7], temperature=0, top_k=-1, logprobs=0)
+    assert p.stop == ("a", "bc") and p.stop_token_ids == (2, 7)
+    assert isinstance(p.temperature, float) and p.greedy
+    assert SP(frequency_penalty=-2, presence_penalty=2, top_p=1, min_p=1).top_p == 1.0
