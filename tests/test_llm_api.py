@@ -1,0 +1,24 @@
+"""The offline API as a user writes it: ``from k3serve import LLM, SamplingParams``."""
+from __future__ import annotations
+
+from _util import DATA, golden
+
+
+def test_generate_and_stream_on_kimi_linear():
+    from k3serve import LLM, SamplingParams
+
+    g = golden("kimi-linear-tiny")
+    prompts = [list(map(int, g[f"input_ids_{i}"])) for i in range(3)]
+    expect = [list(map(int, g[f"gen_tokens_{i}"])) for i in range(3)]
+    llm = LLM(DATA / "kimi-linear-tiny", dtype="float32", max_num_seqs=2, chunk_size=16, page_size=16,
+              max_model_len=64)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, greedy)
+    assert [o.token_ids for o in outs] == expect
+    assert [(o.prompt_tokens, o.completion_tokens, o.finish_reason) for o in outs] == [
+        (len(p), 12, "length") for p in prompts]
+
+    deltas = list(llm.stream(prompts[1], greedy))
+    assert [t for d in deltas for t in d.new_token_ids] == expect[1]
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    assert llm.engine.stats()["free_pages"] == llm.engine.plan.num_pages
