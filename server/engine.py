@@ -28,8 +28,14 @@ class Engine:
     def __init__(self, model, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
                  chunk_size: int = 64, page_size: int = 16, kv_memory_bytes: int | None = None,
                  num_pages: int | None = None, max_model_len: int = 2048, max_logprobs: int = 20,
-                 warmup: bool = True, detokenize: Callable[[list[int]], str] | None = None):
+                 warmup: bool = True, detokenize: Callable[[list[int]], str] | None = None,
+                 compilation_cache_dir: str | None = None):
         cfg = model.config
+        if compilation_cache_dir:
+            import jax
+
+            jax.config.update("jax_compilation_cache_dir", str(compilation_cache_dir))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         self.model = model
         self.max_model_len = max_model_len
         self.detokenize = detokenize
@@ -47,6 +53,7 @@ class Engine:
         self.warmup_s = 0.0
         self.num_steps = 0
         self.num_preemptions = 0
+        self.step_s = 0.0  # wall time inside step(), host work included
         if warmup:
             t = time.perf_counter()
             self.runner.warmup()
@@ -96,6 +103,13 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that progressed or ended."""
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_s += time.perf_counter() - t0
+
+    def _step(self) -> list[RequestOutput]:
         # requests aborted since the last step still owe their final output
         touched: dict[str, Request] = {r.rid: r for r in self.requests.values()
                                        if r.finished and r.emitted <= len(r.output)}
@@ -155,5 +169,7 @@ class Engine:
             "free_pages": self.cache.num_free_pages,
             "free_slots": self.cache.num_free_slots,
             "warmup_s": self.warmup_s,
+            "step_s": self.step_s,
+            "device_s": self.runner.device_s,
             **self.cache.capacity(),
         }

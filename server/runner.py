@@ -11,6 +11,7 @@ scratch KDA slot, so they change nothing. The cache is donated to each call.
 from __future__ import annotations
 
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,7 @@ class Runner:
         self.max_logprobs = max_logprobs
         self.scratch = scratch_slot
         self.num_compiles = 0
+        self.device_s = 0.0  # wall time inside the jitted call until results are on the host
         graphdef = model.graphdef
 
         def fn(params, cache, batch, last_idx, sinp):
@@ -81,8 +83,11 @@ class Runner:
             [r.req.prompt for r in rows], [r.req.output for r in rows], [self._suppress(r.req) for r in rows],
             pad_rows_to=B, pad_len_to=self.hist_len,
         )
+        t = time.perf_counter()
         out, self.cache_mgr.cache = self._fn(self.model.params, self.cache_mgr.cache, batch, jnp.asarray(last), sinp)
-        return jax.device_get(out)
+        out = jax.device_get(out)
+        self.device_s += time.perf_counter() - t
+        return out
 
     def _suppress(self, req) -> list[int]:
         p = req.params

@@ -1,0 +1,95 @@
+"""Offline generation throughput of the engine, optionally side by side with transformers.
+
+    python -m k3serve.tools.bench_offline [--model DIR | demo] [--concurrency 1,8,32]
+        [--prompt-len 32] [--gen-len 32] [--peer-python /path/to/venv/bin/python]
+
+For each concurrency c, c greedy requests (random prompts of equal length, eos ignored)
+are submitted at once and run to completion; throughput = generated tokens / wall time.
+Also reported: warm-up time (all shape buckets compiled before timing), the share of step
+wall time the host spends outside the jitted device call, and the compile count after
+warm-up (must not grow). With ``--peer-python`` (a venv with torch + transformers, never a
+project dependency), the same checkpoint is run through transformers'
+``KimiLinearForCausalLM.generate`` in that interpreter (tools/peer_transformers.py) in the
+same invocation, and the ratio k3serve / transformers is printed per concurrency.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def run_k3serve(model_dir, conc, prompt_len, gen_len, seed=0, **engine_kw):
+    from k3serve.model import load_pretrained
+    from k3serve.server.engine import Engine
+    from k3serve.server.sampling_params import SamplingParams
+
+    m = load_pretrained(model_dir)
+    max_seqs = max(conc)
+    eng = Engine(m, max_num_seqs=max_seqs, max_num_batched_tokens=max(256, max_seqs), chunk_size=64,
+                 page_size=16, max_model_len=prompt_len + gen_len + 16, **engine_kw)
+    compiles = eng.stats()["num_compiles"]
+    rng = np.random.default_rng(seed)
+    V = m.config.vocab_size
+    results = []
+    params = SamplingParams(max_new_tokens=gen_len, temperature=0, ignore_eos=True)
+    for c in conc:
+        prompts = [rng.integers(0, min(V, 32000), prompt_len).tolist() for _ in range(c)]
+        step0, dev0 = eng.step_s, eng.runner.device_s
+        t = time.perf_counter()
+        for p in prompts:
+            eng.add_request(p, params)
+        n = 0
+        while eng.has_unfinished():
+            for o in eng.step():
+                n += len(o.new_token_ids)
+        wall = time.perf_counter() - t
+        step, dev = eng.step_s - step0, eng.runner.device_s - dev0
+        results.append({"concurrency": c, "tokens": n, "wall_s": round(wall, 3), "tok_per_s": round(n / wall, 1),
+                        "host_fraction": round(1 - dev / step, 3)})
+    return {"warmup_s": round(eng.warmup_s, 1), "compiles_after_warmup": eng.stats()["num_compiles"] - compiles,
+            "results": results, "prompts_seed": seed}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="demo", help="checkpoint dir, or 'demo'")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--peer-python", help="python of a venv with torch+transformers (side-by-side run)")
+    ap.add_argument("--compilation-cache-dir", default=None)
+    ap.add_argument("--json", help="also write the results to this file")
+    a = ap.parse_args(argv)
+    conc = [int(c) for c in a.concurrency.split(",")]
+    if a.model == "demo":
+        from k3serve.checkpoints.synthetic import demo_checkpoint
+
+        model_dir = demo_checkpoint()
+    else:
+        model_dir = pathlib.Path(a.model)
+    report = {"model": str(model_dir), "prompt_len": a.prompt_len, "gen_len": a.gen_len}
+    report["k3serve"] = run_k3serve(model_dir, conc, a.prompt_len, a.gen_len,
+                                    compilation_cache_dir=a.compilation_cache_dir)
+    if a.peer_python:
+        peer = pathlib.Path(__file__).with_name("peer_transformers.py")
+        cmd = [a.peer_python, str(peer), "--model", str(model_dir), "--concurrency", a.concurrency,
+               "--prompt-len", str(a.prompt_len), "--gen-len", str(a.gen_len)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        report["transformers"] = json.loads(out.stdout.strip().splitlines()[-1])
+        ours = {r["concurrency"]: r["tok_per_s"] for r in report["k3serve"]["results"]}
+        theirs = {r["concurrency"]: r["tok_per_s"] for r in report["transformers"]["results"]}
+        report["ratio_k3serve_over_transformers"] = {c: round(ours[c] / theirs[c], 2) for c in theirs if c in ours}
+    print(json.dumps(report, indent=1))
+    if a.json:
+        pathlib.Path(a.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
