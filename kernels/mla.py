@@ -16,20 +16,23 @@ import jax
 import jax.numpy as jnp
 
 
-def write_kv_pages(kv_pages, rows, page_table, positions, valid):
+def write_kv_pages(kv_pages, rows, page_table, positions, valid, layer=None):
     """Scatter new cache rows. rows [B,T,W]; positions [B,T] absolute; valid [B,T] bool.
 
     Invalid (padding) rows are dropped, never written, so no page outside a row's own table
-    is touched.
+    is touched. With ``layer``, ``kv_pages`` is the stacked pool ``[L, pages, page_size, W]``
+    and only that layer's pages are written (in place when the pool is donated).
     """
-    num_pages, page_size, W = kv_pages.shape
+    num_pages, page_size, W = kv_pages.shape[-3:]
     page_idx = jnp.take_along_axis(page_table, jnp.clip(positions // page_size, 0, page_table.shape[1] - 1), axis=1)
     page_idx = jnp.where(valid, page_idx, num_pages)  # out of range -> dropped
     off = positions % page_size
+    if layer is not None:
+        return kv_pages.at[layer, page_idx, off].set(rows.astype(kv_pages.dtype), mode="drop")
     return kv_pages.at[page_idx, off].set(rows.astype(kv_pages.dtype), mode="drop")
 
 
-def mla_paged_attention(q_lat, q_rope, kv_pages, page_table, q_positions, kv_lens, scale, latent_dim):
+def mla_paged_attention(q_lat, q_rope, kv_pages, page_table, q_positions, kv_lens, scale, latent_dim, layer=None):
     """Reference paged MLA attention (absorbed form).
 
     q_lat   [B, T, H, latent_dim]   (q_nope absorbed through W_UK)
@@ -40,8 +43,8 @@ def mla_paged_attention(q_lat, q_rope, kv_pages, page_table, q_positions, kv_len
     Returns out_lat [B, T, H, latent_dim] in float32 (softmax and sums in fp32).
     """
     B, T, H, _ = q_lat.shape
-    num_pages, page_size, W = kv_pages.shape
-    kv = kv_pages[page_table]  # [B, max_pages, page_size, W]
+    num_pages, page_size, W = kv_pages.shape[-3:]
+    kv = kv_pages[page_table] if layer is None else kv_pages[layer, page_table]  # [B, max_pages, page_size, W]
     S = kv.shape[1] * page_size
     kv = kv.reshape(B, S, W).astype(jnp.float32)
     c, kr = kv[..., :latent_dim], kv[..., latent_dim:]

@@ -78,6 +78,13 @@ class KimiLM(nnx.Module):
 
         # The residual stream (prefix sums, AttnRes bank) is kept in fp32 whatever the
         # weight dtype; sublayers read it normalised and cast to the compute dtype.
+        # KDA rows are gathered once for all layers and scattered back once at the end: a
+        # per-layer scatter into the pool makes XLA copy the whole pool per layer
+        if kda_idx:
+            conv_rows = jnp.where(fresh[None, :, None, None], 0.0, kda_conv[:, slots])
+            state_rows = jnp.where(fresh[None, :, None, None, None], 0.0, kda_state[:, slots])
+        conv_out, state_out = [], []
+
         h = jnp.take(self.embed_tokens[...], ids, axis=0).astype(jnp.float32)
         cdt = self.dtype
         if rec is not None:
@@ -98,15 +105,14 @@ class KimiLM(nnx.Module):
             a_in = layer.input_layernorm(x).astype(cdt)
             if layer.kind == "kda":
                 j = kda_idx[l]
-                conv_in = jnp.where(fresh[:, None, None], 0.0, kda_conv[j][slots])
-                state_in = jnp.where(fresh[:, None, None, None], 0.0, kda_state[j][slots])
-                out, new_conv, new_state = layer.self_attn(a_in, conv_in, state_in, valid, batch.seq_lens, aux)
-                kda_conv = kda_conv.at[j, slots].set(new_conv)
-                kda_state = kda_state.at[j, slots].set(new_state)
+                out, new_conv, new_state = layer.self_attn(a_in, conv_rows[j], state_rows[j], valid, batch.seq_lens, aux)
+                conv_out.append(new_conv)
+                state_out.append(new_state)
             else:
                 j = mla_idx[l]
-                out, pages, rows = layer.self_attn(a_in, mla_kv[j], batch.page_table, positions, valid, kv_lens)
-                mla_kv = mla_kv.at[j].set(pages)
+                # the whole pool goes in with the layer index, so the row scatter and the page
+                # gather touch only the pages named, never a copy of the layer's pool
+                out, mla_kv, rows = layer.self_attn(a_in, mla_kv, j, batch.page_table, positions, valid, kv_lens)
                 if aux is not None:
                     aux["mla_rows"] = rows
             if cfg.uses_attn_res:
@@ -121,6 +127,9 @@ class KimiLM(nnx.Module):
                 aux.update(attn_in=x, attn_out=out, mlp_in=y, mlp_out=f, prefix_sum=p, num_blocks=len(bank))
                 layer_aux.append(aux)
 
+        if kda_idx:
+            kda_conv = kda_conv.at[:, slots].set(jnp.stack(conv_out))
+            kda_state = kda_state.at[:, slots].set(jnp.stack(state_out))
         out = attn_res(bank, p, self.output_attn_res, eps) if cfg.uses_attn_res else p
         normed = self.norm(out).astype(cdt)
         logits = jnp.einsum("btd,vd->btv", normed, self.lm_head.weight[...].astype(normed.dtype),

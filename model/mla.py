@@ -46,22 +46,23 @@ class MLA(nnx.Module):
         c, kr = ckv[..., : self.cfg.kv_lora_rank], ckv[..., self.cfg.kv_lora_rank :]
         return jnp.concatenate([self.kv_a_layernorm(c), kr], axis=-1)
 
-    def __call__(self, x, kv_pages, page_table, positions, valid, kv_lens):
+    def __call__(self, x, kv_pool, layer, page_table, positions, valid, kv_lens):
+        """kv_pool [nMLA, pages, page_size, W]; ``layer`` indexes this layer's pool."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, nope, R, dv, Lr = cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         q = self.query(x).reshape(B, T, H, nope + R)
         q_nope, q_rope = q[..., :nope], q[..., nope:]
         rows = self.latent_rows(x)
-        kv_pages = ops.write_kv_pages(kv_pages, rows, page_table, positions, valid)
+        kv_pool = ops.write_kv_pages(kv_pool, rows, page_table, positions, valid, layer=layer)
 
         wkv = self.kv_b_proj.weight[...].reshape(H, nope + dv, Lr)
         w_uk, w_uv = wkv[:, :nope], wkv[:, nope:]
         q_lat = jnp.einsum("bthn,hnl->bthl", q_nope.astype(F32), w_uk.astype(F32))
         out_lat = ops.mla_paged_attention(
-            q_lat, q_rope, kv_pages, page_table, positions, kv_lens, cfg.qk_head_dim ** -0.5, Lr
+            q_lat, q_rope, kv_pool, page_table, positions, kv_lens, cfg.qk_head_dim ** -0.5, Lr, layer=layer
         )
         o = jnp.einsum("bthl,hvl->bthv", out_lat, w_uv.astype(F32)).reshape(B, T, H * dv)
         if cfg.mla_output_gate:
             o = o * jax.nn.sigmoid(self.g_proj(x).astype(F32))
-        return self.o_proj(o.astype(x.dtype)), kv_pages, rows
+        return self.o_proj(o.astype(x.dtype)), kv_pool, rows

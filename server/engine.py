@@ -70,7 +70,7 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise ValueError(f"token id {bad[0]} out of range [0, {V})")
-        total = len(ids) + params.max_new_tokens
+        total = min(len(ids) + params.max_new_tokens, self.max_model_len)  # generation stops at max_model_len
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len {self.max_model_len}")
         if total > self.plan.max_tokens_in_kv:
