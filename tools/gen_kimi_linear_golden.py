@@ -27,14 +27,14 @@ repo, and keep triton out of that venv. With triton installed, transformers pick
 flash-linear-attention's triton kernels, and those fail on a machine without a GPU
 ("0 active drivers").
 
-    python3 -m venv /tmp/tvenv
-    /tmp/tvenv/bin/pip install torch==2.13.0 transformers==5.23.0 safetensors numpy
+    python3 -m venv .peer-venv
+    .peer-venv/bin/pip install torch==2.13.0 transformers==5.23.0 safetensors numpy
 
-    /tmp/tvenv/bin/python tools/gen_kimi_linear_golden.py --model tests/data/kimi-linear-tiny \\
-        --prompts from-golden:tests/data/kimi-linear-tiny/golden.npz --out /tmp/kl.npz \\
+    .peer-venv/bin/python tools/gen_kimi_linear_golden.py --model tests/data/kimi-linear-tiny \\
+        --prompts from-golden:tests/data/kimi-linear-tiny/golden.npz --out kl.npz \\
         --compare tests/data/kimi-linear-tiny/golden.npz
-    /tmp/tvenv/bin/python tools/gen_kimi_linear_golden.py --model DIR \\
-        --prompts random:0:64,5 --out /tmp/kl_random.npz
+    .peer-venv/bin/python tools/gen_kimi_linear_golden.py --model DIR \\
+        --prompts random:0:64,5 --out kl_random.npz
 
 The tests never import this script, and k3serve's own code must not import it either: the test
 suite does not depend on torch or transformers.
