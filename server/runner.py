@@ -102,13 +102,11 @@ class Runner:
     def warmup(self) -> int:
         """Compile every (rows, tokens) bucket with an all-padding batch; returns compiles."""
         before = self.num_compiles
-        from .sampling_params import SamplingParams
-
         for B in self.row_buckets:
             for T in self.tok_buckets:
                 batch = make_batch(np.zeros((B, T), np.int32), np.zeros(B), np.zeros(B), np.full(B, self.scratch),
                                    np.zeros((B, self.page_width)))
-                sinp = build_sampler_inputs([SamplingParams()] * 0, [], [], [], [], [], pad_rows_to=B,
+                sinp = build_sampler_inputs([], [], [], [], [], [], pad_rows_to=B,
                                             pad_len_to=self.hist_len)
                 out, self.cache_mgr.cache = self._fn(self.model.params, self.cache_mgr.cache, batch,
                                                      jnp.zeros(B, jnp.int32), sinp)
