@@ -3,6 +3,8 @@
 Subcommands:
   generate   load a checkpoint (or the embedded demo model) and greedy-decode token ids
   info       print a checkpoint's parsed config and parameter count
+  bench      benchmarks: ``bench offline`` = engine throughput at several concurrencies
+             (tools/bench_offline.py; ``k3serve bench offline --help``)
 
 Compiled programs are cached on disk (``$K3SERVE_CACHE/jax``, default
 ``~/.cache/k3serve/jax``) so a second start skips XLA compilation.
@@ -98,6 +100,14 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    if args.kind == "offline":
+        from ..tools import bench_offline
+
+        return bench_offline.main(args.rest)
+    raise SystemExit(f"unknown benchmark {args.kind!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3serve", description="Kimi K3 inference server (JAX)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -119,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model")
     src.add_argument("--demo", action="store_true")
     i.set_defaults(func=cmd_info)
+
+    b = sub.add_parser("bench", help="benchmarks (offline: engine throughput)",
+                       description="k3serve bench offline [--model DIR|demo] [--concurrency 1,8,32] "
+                                   "[--modes async,sync] [--peer-python PY] ...")
+    b.add_argument("kind", choices=["offline"])
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
+    b.set_defaults(func=cmd_bench)
     return p
 
 

@@ -8,6 +8,14 @@ appends sampled tokens, advances each request through the cache and finishes req
 pages and slot at once.
 
 Stop strings need a tokenizer; the engine matches them when one is given (``detokenize``).
+
+Async scheduling (the default): ``step()`` plans and launches step N+1 *before* it waits for
+the results of step N, so the host's planning, input packing and output handling overlap
+the device's work. Decode rows of step N+1 take their input token straight from step N's
+device output. The price is that a finish by a stop token or stop string is seen one step
+late: the finished request may have run one more (discarded) decode row, and every
+output reaches the caller one ``step()`` call later. Finishes by length are known ahead and
+cost nothing. ``async_scheduling=False`` waits for each step before planning the next.
 """
 from __future__ import annotations
 
@@ -29,7 +37,8 @@ class Engine:
                  chunk_size: int = 64, page_size: int = 16, kv_memory_bytes: int | None = None,
                  num_pages: int | None = None, max_model_len: int = 2048, max_logprobs: int = 20,
                  warmup: bool = True, detokenize: Callable[[list[int]], str] | None = None,
-                 compilation_cache_dir: str | None = None):
+                 compilation_cache_dir: str | None = None, async_scheduling: bool = True,
+                 page_buckets=None):
         cfg = model.config
         if compilation_cache_dir:
             import jax
@@ -39,6 +48,8 @@ class Engine:
         self.model = model
         self.max_model_len = max_model_len
         self.detokenize = detokenize
+        self.async_scheduling = async_scheduling
+        self._inflight = None  # the launched step whose results are not processed yet
         if kv_memory_bytes is None and num_pages is None:
             num_pages = max_num_seqs * -(-max_model_len // page_size)
         self.plan = plan_capacity(cfg, page_size=page_size, dtype=model.dtype, kv_memory_bytes=kv_memory_bytes,
@@ -46,9 +57,11 @@ class Engine:
         self.cache = CacheManager(cfg, self.plan, model.dtype)
         chunk_size = min(chunk_size, max_num_batched_tokens)
         self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, chunk_size=chunk_size)
+                                   max_num_batched_tokens=max_num_batched_tokens, chunk_size=chunk_size,
+                                   max_model_len=max_model_len)
         self.runner = Runner(model, self.cache, max_num_seqs=max_num_seqs, chunk_size=chunk_size,
-                             max_model_len=max_model_len, max_logprobs=max_logprobs)
+                             max_model_len=max_model_len, max_logprobs=max_logprobs,
+                             page_buckets=page_buckets)
         self.requests: dict[str, Request] = {}
         self.warmup_s = 0.0
         self.num_steps = 0
@@ -92,7 +105,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def _finish(self, req: Request, reason: str, matched=None) -> None:
         self.scheduler.remove(req)
@@ -115,22 +128,23 @@ class Engine:
                                        if r.finished and r.emitted <= len(r.output)}
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
+        launched = None
         if plan.rows:
-            out = self.runner.execute(plan.rows)
+            launched = self.runner.launch(plan.rows, self._inflight)
             self.num_steps += 1
             for i, row in enumerate(plan.rows):
                 req = row.req
                 req.num_computed += row.num_tokens
                 touched[req.rid] = req
-                if not row.samples:
-                    continue
-                tok = int(out.tokens[i])
-                req.output.append(tok)
-                if req.params.logprobs is not None:
-                    n = req.params.logprobs
-                    req.logprobs.append((float(out.logprob[i]),
-                                         [(int(a), float(b)) for a, b in zip(out.top_ids[i][:n], out.top_logprobs[i][:n])]))
-                self._check_stop(req, tok)
+                if row.samples:
+                    req.pending += 1
+                    req.sample_row = (launched.step, i)
+        if self.async_scheduling:
+            done, self._inflight = self._inflight, launched
+        else:
+            done, self._inflight = launched, None
+        if done is not None:
+            self._process(done, touched)
         outputs = []
         for req in touched.values():
             new = req.output[req.emitted:]
@@ -144,6 +158,25 @@ class Engine:
             del self.requests[req.rid]
         return outputs
 
+    def _process(self, done, touched: dict) -> None:
+        """Take a finished step's sampled tokens: append them, check stops."""
+        out = done.result()
+        for i, row in enumerate(done.rows):
+            req = row.req
+            if not row.samples:
+                continue
+            req.pending -= 1
+            if req.finished:  # finished (stop seen late, or aborted) while this step ran: drop it
+                continue
+            touched[req.rid] = req
+            tok = int(out.tokens[i])
+            req.output.append(tok)
+            if req.params.logprobs is not None:
+                n = req.params.logprobs
+                req.logprobs.append((float(out.logprob[i]),
+                                     [(int(a), float(b)) for a, b in zip(out.top_ids[i][:n], out.top_logprobs[i][:n])]))
+            self._check_stop(req, tok)
+
     def _check_stop(self, req: Request, tok: int) -> None:
         p = req.params
         if len(req.output) >= p.min_new_tokens:
@@ -155,7 +188,7 @@ class Engine:
                 for s in p.stop:
                     if s and s in text:
                         return self._finish(req, "stop", s)
-        if len(req.output) >= p.max_new_tokens or req.num_tokens >= self.max_model_len:
+        if len(req.output) >= p.max_new_tokens or req.num_known >= self.max_model_len:
             self._finish(req, "length")
 
     # ------------------------------------------------------------------ introspection
@@ -170,6 +203,8 @@ class Engine:
             "free_slots": self.cache.num_free_slots,
             "warmup_s": self.warmup_s,
             "step_s": self.step_s,
-            "device_s": self.runner.device_s,
+            "launch_s": self.runner.launch_s,
+            "wait_s": self.runner.wait_s,
+            "async_scheduling": self.async_scheduling,
             **self.cache.capacity(),
         }

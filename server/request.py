@@ -4,6 +4,11 @@
 in the cache. A request in prefill has many uncomputed tokens; in decode exactly one (the
 last sampled token). Preemption drops the cache (``num_computed = 0``) and the request is
 recomputed later from ``prompt + output`` — generated tokens are kept, never re-sampled.
+
+With async scheduling a sampled token can still be on the device when the next step is
+planned: ``pending`` counts such tokens (at most one per in-flight step) and
+``sample_row`` names the (step, row) whose device output holds the newest one, so the next
+step can feed it as its input without the host ever seeing it first.
 """
 from __future__ import annotations
 
@@ -40,6 +45,8 @@ class Request:
     matched_stop: int | str | None = None
     num_preemptions: int = 0
     emitted: int = 0  # output tokens already handed to the caller
+    pending: int = 0  # sampled tokens not yet back on the host (async scheduling)
+    sample_row: tuple[int, int] | None = None  # (step number, row) of the newest pending token
 
     def __post_init__(self):
         if not self.rid:
@@ -51,7 +58,17 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + generated tokens, counting those still on the device."""
+        return len(self.prompt) + len(self.output) + self.pending
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the host has (the first ``num_known`` of the sequence)."""
         return len(self.prompt) + len(self.output)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output) + self.pending
 
     @property
     def remaining(self) -> int:

@@ -2,14 +2,24 @@
 
 Shapes are padded to a few buckets so nothing compiles after warm-up: rows to a power of
 two up to ``max_num_seqs``; tokens per row to 1 (decode-only steps) or ``chunk_size`` (any
-step with a prefill chunk); page-table width fixed at ``ceil(max_model_len / page_size)``;
-penalty histories fixed at ``max_model_len``. Padding rows carry no tokens and point at the
+step with a prefill chunk); page-table width (pages per sequence, which sets how much KV
+the attention reads) to a few widths growing 4x up to ``ceil(max_model_len / page_size)``
+(``page_buckets``), so short sequences do not pay for the longest one; penalty histories
+fixed at ``max_model_len``. Padding rows carry no tokens and point at the
 scratch KDA slot, so they change nothing. The cache is donated to each call.
 
 ``num_compiles`` counts traces of the step function (a trace is what triggers a compile).
+
+``launch`` only dispatches: it returns an :class:`InFlight` whose results stay on the device
+until ``InFlight.result()`` fetches them, so the engine can plan and launch step N+1 before
+it waits for step N. A decode row whose input token was sampled by the previous step (and is
+not on the host yet) names that step's row in ``from_prev``; the jitted step reads the
+token from the previous step's device output, and also patches it into the row's penalty
+history, so the host never waits for it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -22,6 +32,15 @@ from ..model.cache import make_batch
 from .sampler import build_sampler_inputs, sample
 
 
+def default_page_buckets(width: int, minimum: int = 4) -> list[int]:
+    """Pages-per-sequence buckets: ``width`` and a few 4x-smaller ones (not below ``minimum``)."""
+    out, b = [width], width
+    while -(-b // 4) >= minimum:
+        b = -(-b // 4)
+        out.append(b)
+    return sorted(out)
+
+
 def _pow2_buckets(limit: int) -> list[int]:
     out, b = [], 1
     while b < limit:
@@ -31,27 +50,68 @@ def _pow2_buckets(limit: int) -> list[int]:
     return sorted(set(out))
 
 
+@dataclasses.dataclass
+class InFlight:
+    """A launched step: its rows, its step number and its device outputs."""
+
+    step: int
+    rows: list
+    out: object  # SampleOutput (device arrays)
+    tokens: jax.Array  # i32[max_num_seqs]: sampled tokens by row, the next step's ``prev``
+    runner: "Runner"
+    _host: object = None
+
+    def result(self):
+        """Block until the step is done; the sampled tokens / logprobs on the host."""
+        if self._host is None:
+            t = time.perf_counter()
+            self._host = jax.device_get(self.out)
+            self.runner.wait_s += time.perf_counter() - t
+        return self._host
+
+
 class Runner:
     def __init__(self, model, cache_mgr, *, max_num_seqs: int, chunk_size: int, max_model_len: int,
-                 max_logprobs: int = 20, scratch_slot: int = 0):
+                 max_logprobs: int = 20, scratch_slot: int = 0, page_buckets=None):
         self.model = model
         self.cache_mgr = cache_mgr
         self.page_size = cache_mgr.plan.page_size
         self.row_buckets = _pow2_buckets(max_num_seqs)
         self.tok_buckets = sorted({1, chunk_size})
         self.page_width = math.ceil(max_model_len / self.page_size)
+        pb = sorted({min(int(b), self.page_width) for b in page_buckets}) if page_buckets else \
+            default_page_buckets(self.page_width)
+        if pb[-1] != self.page_width:
+            pb.append(self.page_width)
+        self.page_buckets = pb
+        self.shapes_used: set[tuple[int, int, int]] = set()  # (rows, tokens, pages) launched
         self.hist_len = max_model_len
         self.max_logprobs = max_logprobs
         self.scratch = scratch_slot
+        self.max_rows = self.row_buckets[-1]
         self.num_compiles = 0
-        self.device_s = 0.0  # wall time inside the jitted call until results are on the host
+        self.launch_s = 0.0  # host time building inputs and dispatching
+        self.wait_s = 0.0  # host time blocked waiting for step results
+        self.num_steps = 0
+        self._zero_prev = jnp.zeros(self.max_rows, jnp.int32)
         graphdef = model.graphdef
+        M = self.max_rows
 
-        def fn(params, cache, batch, last_idx, sinp):
+        def fn(params, cache, batch, last_idx, sinp, prev_tokens, from_prev, pend_pos):
             self.num_compiles += 1  # Python side effect: runs only while tracing
+            has_prev = from_prev >= 0
+            prev = prev_tokens[jnp.maximum(from_prev, 0)]
+            ids = batch.input_ids.at[:, 0].set(jnp.where(has_prev, prev, batch.input_ids[:, 0]))
+            batch = dataclasses.replace(batch, input_ids=ids)
+            lo = sinp.output_ids.shape[1]
+            hit = has_prev[:, None] & (jnp.arange(lo)[None, :] == pend_pos[:, None])
+            sinp = dataclasses.replace(sinp, output_ids=jnp.where(hit, prev[:, None], sinp.output_ids))
             logits, cache = nnx.merge(graphdef, params)(batch, cache)
             rows = logits[jnp.arange(logits.shape[0]), last_idx]
-            return sample(rows, sinp, max_logprobs), cache
+            out = sample(rows, sinp, max_logprobs)
+            B = out.tokens.shape[0]
+            full = out.tokens if B == M else jnp.zeros(M, jnp.int32).at[:B].set(out.tokens)
+            return out, full, cache
 
         self._fn = jax.jit(fn, donate_argnums=(1,))
 
@@ -61,37 +121,57 @@ class Runner:
                 return b
         raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
-    def execute(self, rows):
-        """Run one step for ``rows`` (ScheduledRow-like: req, start, num_tokens)."""
+    def launch(self, rows, prev: InFlight | None = None) -> InFlight:
+        """Dispatch one step for ``rows`` (ScheduledRow-like: req, start, num_tokens) and return
+        at once. Tokens a row needs that are still on the device must come from ``prev``."""
+        t = time.perf_counter()
         B = self._bucket(len(rows), self.row_buckets)
         T = self._bucket(max(r.num_tokens for r in rows), self.tok_buckets)
+        need = max(-(-(r.start + r.num_tokens) // self.page_size) for r in rows)
+        P = self._bucket(max(need, self._min_pages(T)), self.page_buckets)  # a shape warm-up compiled
+        self.shapes_used.add((B, T, P))
         tok = np.zeros((B, T), np.int32)
         start = np.zeros(B, np.int32)
         lens = np.zeros(B, np.int32)
         slots = np.full(B, self.scratch, np.int32)
-        table = np.zeros((B, self.page_width), np.int32)
+        table = np.zeros((B, P), np.int32)
         last = np.zeros(B, np.int32)
+        from_prev = np.full(B, -1, np.int32)
+        pend_pos = np.zeros(B, np.int32)
         for i, r in enumerate(rows):
             req = r.req
-            tok[i, : r.num_tokens] = req.tokens[r.start : r.start + r.num_tokens]
+            known = req.num_known
+            if r.start + r.num_tokens > known:  # the input token is the previous step's sample
+                if (r.num_tokens != 1 or r.start != known or prev is None or req.sample_row is None
+                        or req.sample_row[0] != prev.step):
+                    raise RuntimeError(f"{req.rid}: input token {r.start} is not available from the previous step")
+                from_prev[i] = req.sample_row[1]
+                pend_pos[i] = len(req.output)
+            else:
+                tok[i, : r.num_tokens] = req.tokens[r.start : r.start + r.num_tokens]
             start[i], lens[i], last[i] = r.start, r.num_tokens, r.num_tokens - 1
             slots[i] = self.cache_mgr.slot_of(req.rid)
-            table[i] = self.cache_mgr.page_table_row(req.rid, self.page_width)
+            table[i] = self.cache_mgr.page_table_row(req.rid, self.page_width)[:P]
         batch = make_batch(tok, start, lens, slots, table)
         sinp = build_sampler_inputs(
-            [r.req.params for r in rows], [r.req.seed for r in rows], [len(r.req.output) for r in rows],
+            [r.req.params for r in rows], [r.req.seed for r in rows], [r.req.num_generated for r in rows],
             [r.req.prompt for r in rows], [r.req.output for r in rows], [self._suppress(r.req) for r in rows],
             pad_rows_to=B, pad_len_to=self.hist_len,
         )
-        t = time.perf_counter()
-        out, self.cache_mgr.cache = self._fn(self.model.params, self.cache_mgr.cache, batch, jnp.asarray(last), sinp)
-        out = jax.device_get(out)
-        self.device_s += time.perf_counter() - t
-        return out
+        prev_tokens = prev.tokens if prev is not None else self._zero_prev
+        out, full, self.cache_mgr.cache = self._fn(self.model.params, self.cache_mgr.cache, batch, jnp.asarray(last),
+                                                   sinp, prev_tokens, jnp.asarray(from_prev), jnp.asarray(pend_pos))
+        self.num_steps += 1
+        self.launch_s += time.perf_counter() - t
+        return InFlight(self.num_steps, list(rows), out, full, self)
+
+    def execute(self, rows):
+        """Run one step synchronously; the host-side sample outputs."""
+        return self.launch(rows).result()
 
     def _suppress(self, req) -> list[int]:
         p = req.params
-        if len(req.output) >= p.min_new_tokens:
+        if req.num_generated >= p.min_new_tokens:
             return []
         ids = list(p.stop_token_ids)
         eos = self.model.config.eos_token_id
@@ -99,16 +179,24 @@ class Runner:
             ids.append(eos)
         return ids
 
+    def shape_buckets(self) -> list[tuple[int, int, int]]:
+        """Every (rows, tokens, pages) shape a step can take (a chunk must fit its pages)."""
+        return [(B, T, P) for B in self.row_buckets for T in self.tok_buckets for P in self.page_buckets
+                if P >= self._min_pages(T)]
+
+    def _min_pages(self, T: int) -> int:
+        return min(-(-T // self.page_size), self.page_width)
+
     def warmup(self) -> int:
-        """Compile every (rows, tokens) bucket with an all-padding batch; returns compiles."""
+        """Compile every shape bucket with an all-padding batch; returns compiles."""
         before = self.num_compiles
-        for B in self.row_buckets:
-            for T in self.tok_buckets:
-                batch = make_batch(np.zeros((B, T), np.int32), np.zeros(B), np.zeros(B), np.full(B, self.scratch),
-                                   np.zeros((B, self.page_width)))
-                sinp = build_sampler_inputs([], [], [], [], [], [], pad_rows_to=B,
-                                            pad_len_to=self.hist_len)
-                out, self.cache_mgr.cache = self._fn(self.model.params, self.cache_mgr.cache, batch,
-                                                     jnp.zeros(B, jnp.int32), sinp)
-                jax.block_until_ready(out)
+        for B, T, P in self.shape_buckets():
+            batch = make_batch(np.zeros((B, T), np.int32), np.zeros(B), np.zeros(B), np.full(B, self.scratch),
+                               np.zeros((B, P)))
+            sinp = build_sampler_inputs([], [], [], [], [], [], pad_rows_to=B,
+                                        pad_len_to=self.hist_len)
+            z = jnp.zeros(B, jnp.int32)
+            out, _, self.cache_mgr.cache = self._fn(self.model.params, self.cache_mgr.cache, batch, z, sinp,
+                                                    self._zero_prev, z - 1, z)
+            jax.block_until_ready(out)
         return self.num_compiles - before

@@ -10,6 +10,11 @@ When pages run out for a running request, the newest running requests not yet sc
 this step are preempted (their pages and slot freed; they are recomputed later from
 prompt + output). The oldest running request therefore always makes progress, and since a
 request is only accepted if it fits the whole KV cache on its own, nothing deadlocks.
+
+With async scheduling the plan for step N+1 is made while step N runs: a request whose
+token of step N is still on the device counts it (``Request.pending``) and gets a decode
+row for it; a request that has generated all it may (``max_new_tokens`` or
+``max_model_len``, pending tokens included) is not scheduled again.
 """
 from __future__ import annotations
 
@@ -38,8 +43,10 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cache, *, max_num_seqs: int, max_num_batched_tokens: int, chunk_size: int):
+    def __init__(self, cache, *, max_num_seqs: int, max_num_batched_tokens: int, chunk_size: int,
+                 max_model_len: int | None = None):
         self.cache = cache
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_size = chunk_size
@@ -62,6 +69,11 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
 
+    def _complete(self, req: Request) -> bool:
+        """All tokens are generated; the last ones are still on their way back from the device."""
+        return req.num_generated >= req.params.max_new_tokens or (
+            self.max_model_len is not None and req.num_tokens >= self.max_model_len)
+
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.running.remove(req)
         self.cache.release(req.rid)
@@ -76,6 +88,8 @@ class Scheduler:
         scheduled: set[str] = set()
         for req in sorted(self.running, key=Request.sort_key):
             if req.status is not Status.RUNNING or len(plan.rows) >= self.max_num_seqs or budget <= 0:
+                continue
+            if self._complete(req):
                 continue
             n = min(req.remaining, self.chunk_size, budget)
             while not self.cache.ensure_tokens(req.rid, req.num_computed + n):

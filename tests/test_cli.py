@@ -40,3 +40,17 @@ def test_generate_golden_matches_reference_and_rejects_bad_ids(tmp_path):
     assert r.returncode == 2 and "99999" in r.stderr
     r = _run(["info", "--model", str(DATA / "k3-tiny-a")], tmp_path)
     assert r.returncode == 0 and "MLA at [3, 7, 9]" in r.stdout
+
+
+def test_bench_offline_reports_throughput_modes_and_no_recompiles(tmp_path):
+    out_json = tmp_path / "bench.json"
+    r = _run(["bench", "offline", "--model", str(DATA / "kimi-linear-tiny"), "--concurrency", "1,2",
+              "--prompt-len", "6", "--gen-len", "3", "--modes", "async,sync", "--json", str(out_json)], tmp_path)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out_json.read_text())
+    res = rep["k3serve"]["results"]
+    assert [(x["concurrency"], x["mode"]) for x in res] == [(1, "async"), (1, "sync"), (2, "async"), (2, "sync")]
+    assert all(x["tokens"] == 3 * x["concurrency"] and x["tok_per_s"] > 0 and 0 <= x["host_fraction"] <= 1
+               for x in res)
+    assert rep["k3serve"]["compiles_after_warmup"] == 0 and rep["k3serve"]["warmup_s"] > 0
+    assert set(rep["ratio_async_over_sync"]) == {"1", "2"}

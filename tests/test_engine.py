@@ -62,16 +62,19 @@ def test_batched_greedy_equals_golden_and_model(engine_a):
 
 def test_preemption_with_tiny_page_budget():
     """8-token pages, 2 rows, 9 pages in all: requests preempt each other and recompute,
-    and every output still equals the golden greedy continuation."""
+    and every output still equals the golden greedy continuation. Two page-table widths
+    (4 and 8 pages) are compiled and both are used."""
     base, expect = _prompts()
     eng = Engine(load_case(CASE), max_num_seqs=2, max_num_batched_tokens=24, chunk_size=8, page_size=8,
-                 max_model_len=64, num_pages=9)
+                 max_model_len=64, num_pages=9, page_buckets=[4])
     outs = _run(eng, base, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == expect
     assert eng.stats()["num_preemptions"] > 0
     assert eng.scheduler.running == [] and eng.scheduler.waiting == []
     _assert_all_free(eng)
-    assert eng.stats()["num_compiles"] == len(eng.runner.row_buckets) * len(eng.runner.tok_buckets)
+    assert eng.runner.page_buckets == [4, 8]
+    assert eng.stats()["num_compiles"] == len(eng.runner.shape_buckets()) == 8
+    assert {P for _, _, P in eng.runner.shapes_used} == {4, 8}
 
 
 def test_stops_abort_and_bad_input(engine_a):
@@ -118,4 +121,65 @@ def test_seeded_sampling_is_independent_of_batch_company(engine_a):
     assert len(alone.logprobs) == 8 and all(len(top) == 3 for _, top in alone.logprobs)
     lp0, top0 = alone.logprobs[0]
     assert lp0 <= 0 and top0[0][1] >= top0[-1][1]
+    _assert_all_free(eng)
+
+
+def test_async_scheduling_overlaps_and_matches_sync(engine_a):
+    """Async mode launches step N+1 before reading step N, feeds decode inputs and penalty
+    histories from the device, and yields exactly what the synchronous engine yields —
+    penalties, seeds, logprobs, stop tokens and length finishes included."""
+    eng = engine_a
+    base, expect = _prompts()
+    pen = SamplingParams(max_new_tokens=10, temperature=0.8, seed=99, repetition_penalty=1.4,
+                         frequency_penalty=0.7, presence_penalty=0.3, ignore_eos=True, logprobs=2)
+    greedy_stop = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=[expect[1][4]])
+    # a repetition penalty < 1 boosts what a greedy row just produced: a stale history (the
+    # pending token missing from it) in async mode shows at once
+    boost = SamplingParams(max_new_tokens=8, temperature=0, repetition_penalty=0.02, ignore_eos=True)
+    prompts, params = [base[0], base[1], base[2], base[2]], [pen, greedy_stop, pen, boost]
+    results = {}
+    events = []
+    from k3serve.server import runner as runner_mod
+
+    orig_launch, orig_result = runner_mod.Runner.launch, runner_mod.InFlight.result
+
+    def spy_launch(self, rows, prev=None):
+        f = orig_launch(self, rows, prev)
+        events.append(("launch", f.step))
+        return f
+
+    def spy_result(self):
+        events.append(("result", self.step))
+        return orig_result(self)
+
+    runner_mod.Runner.launch, runner_mod.InFlight.result = spy_launch, spy_result
+    try:
+        for mode in (False, True):
+            eng.async_scheduling = mode
+            events.clear()
+            rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+            done = {}
+            while eng.has_unfinished():
+                for o in eng.step():
+                    if o.finished:
+                        done[o.rid] = o
+            results[mode] = [done[r] for r in rids]
+            launches = [s for e, s in events if e == "launch"]
+            first_results = [events.index(("result", s)) for s in launches[:-1]]
+            if mode:  # every step but the last was launched before the previous one was read
+                assert all(events.index(("launch", s + 1)) < i for s, i in zip(launches, first_results))
+            else:
+                assert all(events.index(("launch", s + 1)) > i for s, i in zip(launches, first_results))
+    finally:
+        runner_mod.Runner.launch, runner_mod.InFlight.result = orig_launch, orig_result
+        eng.async_scheduling = True
+    sync, asyn = results[False], results[True]
+    for a, b in zip(sync, asyn):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert np.allclose([lp for lp, _ in a.logprobs or []], [lp for lp, _ in b.logprobs or []], atol=1e-5)
+    assert asyn[1].token_ids == expect[1][:5] and asyn[1].finish_reason == "stop"
+    assert asyn[3].token_ids != expect[2][:8] and len(set(asyn[3].token_ids)) < 8
+    # the penalties did act: the penalized stream differs from the plain seeded one
+    plain = _run(eng, [base[0]], SamplingParams(max_new_tokens=10, temperature=0.8, seed=99, ignore_eos=True))[0]
+    assert plain.token_ids != asyn[0].token_ids
     _assert_all_free(eng)

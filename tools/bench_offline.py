@@ -6,8 +6,11 @@
 For each concurrency c, c greedy requests (random prompts of equal length, eos ignored)
 are submitted at once and run to completion; throughput = generated tokens / wall time.
 Also reported: warm-up time (all shape buckets compiled before timing), the share of step
-wall time the host spends outside the jitted device call, and the compile count after
-warm-up (must not grow). With ``--peer-python`` (a venv with torch + transformers, never a
+wall time the host is not blocked waiting for the device (``host_fraction``: planning,
+input packing, dispatch, output handling), and the compile count after warm-up (must not
+grow). Each concurrency is run with async scheduling (step N+1 planned and launched before
+step N's results are read) and, with ``--modes async,sync``, also synchronously on the same
+engine, so the gain of the overlap is a ratio measured in one run. With ``--peer-python`` (a venv with torch + transformers, never a
 project dependency), the same checkpoint is run through transformers'
 ``KimiLinearForCausalLM.generate`` in that interpreter (tools/peer_transformers.py) in the
 same invocation, and the ratio k3serve / transformers is printed per concurrency.
@@ -24,7 +27,7 @@ import time
 import numpy as np
 
 
-def run_k3serve(model_dir, conc, prompt_len, gen_len, seed=0, **engine_kw):
+def run_k3serve(model_dir, conc, prompt_len, gen_len, seed=0, modes=("async",), **engine_kw):
     from k3serve.model import load_pretrained
     from k3serve.server.engine import Engine
     from k3serve.server.sampling_params import SamplingParams
@@ -40,18 +43,21 @@ def run_k3serve(model_dir, conc, prompt_len, gen_len, seed=0, **engine_kw):
     params = SamplingParams(max_new_tokens=gen_len, temperature=0, ignore_eos=True)
     for c in conc:
         prompts = [rng.integers(0, min(V, 32000), prompt_len).tolist() for _ in range(c)]
-        step0, dev0 = eng.step_s, eng.runner.device_s
-        t = time.perf_counter()
-        for p in prompts:
-            eng.add_request(p, params)
-        n = 0
-        while eng.has_unfinished():
-            for o in eng.step():
-                n += len(o.new_token_ids)
-        wall = time.perf_counter() - t
-        step, dev = eng.step_s - step0, eng.runner.device_s - dev0
-        results.append({"concurrency": c, "tokens": n, "wall_s": round(wall, 3), "tok_per_s": round(n / wall, 1),
-                        "host_fraction": round(1 - dev / step, 3)})
+        for mode in modes:
+            eng.async_scheduling = mode == "async"
+            step0, wait0, steps0 = eng.step_s, eng.runner.wait_s, eng.num_steps
+            t = time.perf_counter()
+            for p in prompts:
+                eng.add_request(p, params)
+            n = 0
+            while eng.has_unfinished():
+                for o in eng.step():
+                    n += len(o.new_token_ids)
+            wall = time.perf_counter() - t
+            step, wait = eng.step_s - step0, eng.runner.wait_s - wait0
+            results.append({"concurrency": c, "mode": mode, "tokens": n, "steps": eng.num_steps - steps0,
+                            "wall_s": round(wall, 3), "tok_per_s": round(n / wall, 1),
+                            "host_fraction": round(1 - wait / step, 3)})
     return {"warmup_s": round(eng.warmup_s, 1), "compiles_after_warmup": eng.stats()["num_compiles"] - compiles,
             "results": results, "prompts_seed": seed}
 
@@ -64,6 +70,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--peer-python", help="python of a venv with torch+transformers (side-by-side run)")
     ap.add_argument("--compilation-cache-dir", default=None)
+    ap.add_argument("--modes", default="async", help="comma list of async,sync (same engine, same prompts)")
     ap.add_argument("--json", help="also write the results to this file")
     a = ap.parse_args(argv)
     conc = [int(c) for c in a.concurrency.split(",")]
@@ -74,15 +81,20 @@ def main(argv=None) -> int:
     else:
         model_dir = pathlib.Path(a.model)
     report = {"model": str(model_dir), "prompt_len": a.prompt_len, "gen_len": a.gen_len}
-    report["k3serve"] = run_k3serve(model_dir, conc, a.prompt_len, a.gen_len,
+    modes = tuple(a.modes.split(","))
+    report["k3serve"] = run_k3serve(model_dir, conc, a.prompt_len, a.gen_len, modes=modes,
                                     compilation_cache_dir=a.compilation_cache_dir)
+    res = report["k3serve"]["results"]
+    if "async" in modes and "sync" in modes:
+        tps = {(r["concurrency"], r["mode"]): r["tok_per_s"] for r in res}
+        report["ratio_async_over_sync"] = {c: round(tps[c, "async"] / tps[c, "sync"], 2) for c in conc}
     if a.peer_python:
         peer = pathlib.Path(__file__).with_name("peer_transformers.py")
         cmd = [a.peer_python, str(peer), "--model", str(model_dir), "--concurrency", a.concurrency,
                "--prompt-len", str(a.prompt_len), "--gen-len", str(a.gen_len)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         report["transformers"] = json.loads(out.stdout.strip().splitlines()[-1])
-        ours = {r["concurrency"]: r["tok_per_s"] for r in report["k3serve"]["results"]}
+        ours = {r["concurrency"]: r["tok_per_s"] for r in res if r["mode"] == modes[0]}
         theirs = {r["concurrency"]: r["tok_per_s"] for r in report["transformers"]["results"]}
         report["ratio_k3serve_over_transformers"] = {c: round(ours[c] / theirs[c], 2) for c in theirs if c in ours}
     print(json.dumps(report, indent=1))
