@@ -54,7 +54,7 @@ import numpy as np
 from k3serve.checkpoints.safetensors_io import write_checkpoint
 from k3serve.kernels.mxfp4 import GROUP_SIZE, quantize_mxfp4_np
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: the demo checkpoint ships a tokenizer
 """Bump when the drawn values or the layout change; part of the demo cache key."""
 
 DEMO_SEED = 0
@@ -487,6 +487,14 @@ def demo_checkpoint(cache_dir: str | os.PathLike | None = None, *, seed: int = D
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the cache entry should be shareable
     try:
         generate_checkpoint(tmp, copy.deepcopy(config), seed)
+        try:  # the demo tokenizer (sentencepiece, trained in ~2 s); ids-only use needs none
+            from k3serve.tools.train_demo_tokenizer import write_demo_tokenizer
+
+            write_demo_tokenizer(tmp)
+        except ImportError as e:
+            import warnings
+
+            warnings.warn(f"demo checkpoint written without a tokenizer ({e})", stacklevel=2)
         try:
             os.rename(tmp, final)
         except OSError:

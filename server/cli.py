@@ -3,6 +3,7 @@
 Subcommands:
   generate   load a checkpoint (or the embedded demo model) and greedy-decode token ids
   info       print a checkpoint's parsed config and parameter count
+  serve      serve a checkpoint over gRPC (SGLang scheduler protocol, health, reflection)
   bench      benchmarks: ``bench offline`` = engine throughput at several concurrencies
              (tools/bench_offline.py; ``k3serve bench offline --help``)
 
@@ -108,6 +109,76 @@ def cmd_bench(args) -> int:
     raise SystemExit(f"unknown benchmark {args.kind!r}")
 
 
+def cmd_serve(args) -> int:
+    """Serve a checkpoint over gRPC until SIGTERM/SIGINT (then drain and exit 0)."""
+    import signal
+    import threading
+
+    _enable_compile_cache()
+    from .grpc_service import GrpcServer, Servicer
+    from .metrics import Metrics
+
+    path = _model_dir(args)
+    metrics = Metrics()
+    servicer = Servicer(model_dir=path, served_model_name=args.served_model_name or path.name, metrics=metrics)
+    server = GrpcServer(servicer, host=args.host, port=args.port, api_key=args.api_key, tls_cert=args.tls_cert,
+                        tls_key=args.tls_key, max_message_bytes=args.max_message_mb << 20)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"k3serve: gRPC on {args.host}:{server.port} (NOT_SERVING while loading {path})", flush=True)
+    if args.metrics_port >= 0:
+        mport = metrics.serve_http(args.metrics_host, args.metrics_port)
+        print(f"k3serve: Prometheus metrics on http://{args.metrics_host}:{mport}/metrics", flush=True)
+    loop = None
+    try:
+        loop = _start_engine(args, path, metrics)
+        if stop.is_set():
+            raise KeyboardInterrupt
+        server.set_ready(loop)
+        st = loop.stats()
+        print(f"k3serve: SERVING {path.name}: max_num_seqs {args.max_num_seqs}, KV {st['max_tokens_in_kv']} tokens "
+              f"({st['max_concurrent_slots']} KDA slots), warm-up {st['warmup_s']:.1f}s, "
+              f"{st['num_compiles']} programs", flush=True)
+        while not stop.wait(0.5):
+            if loop.error is not None:
+                print(f"k3serve: engine failed: {loop.error!r}", file=sys.stderr, flush=True)
+                server.shutdown(0)
+                return 1
+    except KeyboardInterrupt:
+        pass
+    print("k3serve: shutting down (draining in-flight requests)", flush=True)
+    aborted = server.shutdown(args.grace_period)
+    metrics.close()
+    print(f"k3serve: stopped ({aborted} requests aborted at the deadline)", flush=True)
+    return 0
+
+
+def _start_engine(args, path, metrics):
+    from ..model import load_pretrained
+    from .engine import Engine
+    from .engine_loop import EngineLoop
+
+    m = load_pretrained(path, dtype=args.dtype, dequantize_experts=args.dequantize_experts)
+    detok = None
+    try:
+        from .tokenizer import load_tokenizer
+
+        tok = load_tokenizer(path)
+        if tok is not None:
+            detok = lambda ids: tok.decode(ids)
+    except ImportError:
+        pass
+    kv = dict(kv_memory_bytes=int(args.kv_memory_gb * (1 << 30))) if args.kv_memory_gb else (
+        dict(num_pages=args.num_pages) if args.num_pages else {})
+    eng = Engine(m, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                 chunk_size=args.chunk_size, page_size=args.page_size, max_model_len=args.max_model_len,
+                 detokenize=detok, async_scheduling=not args.sync, **kv)
+    loop = EngineLoop(eng, on_output=metrics.observe_output)
+    metrics.loop = loop
+    return loop
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3serve", description="Kimi K3 inference server (JAX)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -129,6 +200,32 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model")
     src.add_argument("--demo", action="store_true")
     i.set_defaults(func=cmd_info)
+
+    sv = sub.add_parser("serve", help="serve a checkpoint (default: the demo model) over gRPC")
+    src = sv.add_mutually_exclusive_group()
+    src.add_argument("--model", help="Hugging Face checkpoint directory")
+    src.add_argument("--demo", action="store_true", help="serve the embedded demo checkpoint (default)")
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=50051)
+    sv.add_argument("--metrics-host", default="127.0.0.1")
+    sv.add_argument("--metrics-port", type=int, default=9090, help="Prometheus port (-1: off, 0: any free port)")
+    sv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    sv.add_argument("--dequantize-experts", action="store_true")
+    sv.add_argument("--max-num-seqs", type=int, default=8, help="rows per step (concurrent running requests)")
+    sv.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget per step")
+    sv.add_argument("--chunk-size", type=int, default=64, help="longest prefill chunk per row")
+    sv.add_argument("--page-size", type=int, default=16)
+    sv.add_argument("--max-model-len", type=int, default=1024)
+    sv.add_argument("--kv-memory-gb", type=float, default=None, help="KV budget (KDA slots first, then pages)")
+    sv.add_argument("--num-pages", type=int, default=None, help="KV budget as a page count")
+    sv.add_argument("--sync", action="store_true", help="disable async scheduling")
+    sv.add_argument("--api-key", default=None, help="require 'authorization: Bearer KEY' metadata")
+    sv.add_argument("--tls-cert", default=None)
+    sv.add_argument("--tls-key", default=None)
+    sv.add_argument("--max-message-mb", type=int, default=16, help="largest gRPC message accepted")
+    sv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
+    sv.add_argument("--served-model-name", default=None)
+    sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks (offline: engine throughput)",
                        description="k3serve bench offline [--model DIR|demo] [--concurrency 1,8,32] "

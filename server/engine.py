@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 
 from .cache import CacheManager, plan_capacity
-from .request import Request, RequestOutput, Status
+from .request import CapacityError, OutOfRangeError, Request, RequestError, RequestOutput, Status
 from .runner import Runner
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -38,7 +38,7 @@ class Engine:
                  num_pages: int | None = None, max_model_len: int = 2048, max_logprobs: int = 20,
                  warmup: bool = True, detokenize: Callable[[list[int]], str] | None = None,
                  compilation_cache_dir: str | None = None, async_scheduling: bool = True,
-                 page_buckets=None):
+                 page_buckets=None, split_mixed_steps: bool = True):
         cfg = model.config
         if compilation_cache_dir:
             import jax
@@ -61,7 +61,7 @@ class Engine:
                                    max_model_len=max_model_len)
         self.runner = Runner(model, self.cache, max_num_seqs=max_num_seqs, chunk_size=chunk_size,
                              max_model_len=max_model_len, max_logprobs=max_logprobs,
-                             page_buckets=page_buckets)
+                             page_buckets=page_buckets, split_mixed=split_mixed_steps)
         self.requests: dict[str, Request] = {}
         self.warmup_s = 0.0
         self.num_steps = 0
@@ -76,21 +76,29 @@ class Engine:
     def add_request(self, prompt, params: SamplingParams | None = None, *, rid: str | None = None,
                     priority: int = 0) -> str:
         params = params or SamplingParams()
-        ids = [int(t) for t in np.asarray(prompt).reshape(-1)]
+        try:
+            ids = [int(t) for t in np.asarray(prompt).reshape(-1)]
+        except (TypeError, ValueError, OverflowError):
+            raise RequestError("prompt must be a sequence of integer token ids") from None
         V = self.model.config.vocab_size
         if not ids:
-            raise ValueError("prompt must contain at least one token id")
+            raise RequestError("prompt must contain at least one token id")
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
-            raise ValueError(f"token id {bad[0]} out of range [0, {V})")
-        total = min(len(ids) + params.max_new_tokens, self.max_model_len)  # generation stops at max_model_len
+            raise OutOfRangeError(f"token id {bad[0]} out of range [0, {V})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < V]
+        if bad:
+            raise OutOfRangeError(f"stop token id {bad[0]} out of range [0, {V})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len {self.max_model_len}")
+            raise OutOfRangeError(f"prompt of {len(ids)} tokens does not fit max_model_len {self.max_model_len}")
+        if params.max_new_tokens > self.max_model_len:
+            raise OutOfRangeError(f"max_new_tokens {params.max_new_tokens} exceeds max_model_len {self.max_model_len}")
+        total = min(len(ids) + params.max_new_tokens, self.max_model_len)  # generation stops at max_model_len
         if total > self.plan.max_tokens_in_kv:
-            raise ValueError(f"prompt + max_new_tokens = {total} tokens exceeds the KV capacity "
-                             f"({self.plan.max_tokens_in_kv} tokens)")
+            raise CapacityError(f"prompt + max_new_tokens = {total} tokens exceeds the KV capacity "
+                                f"({self.plan.max_tokens_in_kv} tokens)")
         if rid is not None and rid in self.requests:
-            raise ValueError(f"request id {rid!r} is already in use")
+            raise RequestError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(31)
         req = Request(prompt=ids, params=params, rid=rid or "", priority=priority, seed=seed)
         self.requests[req.rid] = req
@@ -138,7 +146,7 @@ class Engine:
                 touched[req.rid] = req
                 if row.samples:
                     req.pending += 1
-                    req.sample_row = (launched.step, i)
+                    req.sample_row = (launched.step, launched.index[i])
         if self.async_scheduling:
             done, self._inflight = self._inflight, launched
         else:
@@ -196,6 +204,7 @@ class Engine:
         return {
             "num_compiles": self.runner.num_compiles,
             "num_steps": self.num_steps,
+            "num_split_steps": self.runner.num_split_steps,
             "num_preemptions": self.num_preemptions,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),

@@ -22,6 +22,24 @@ from .sampling_params import SamplingParams
 _ids = itertools.count()
 
 
+class RequestError(ValueError):
+    """A request the engine refuses; ``code`` names the gRPC status it maps to."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class OutOfRangeError(RequestError):
+    """A value outside what the model or the context allows (token ids, lengths)."""
+
+    code = "OUT_OF_RANGE"
+
+
+class CapacityError(RequestError):
+    """The request cannot fit the engine's KV budget even alone."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

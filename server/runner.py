@@ -51,28 +51,53 @@ def _pow2_buckets(limit: int) -> list[int]:
 
 
 @dataclasses.dataclass
+class HostSample:
+    """A step's sampled tokens and logprobs on the host, in plan row order."""
+
+    tokens: np.ndarray
+    logprob: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+@dataclasses.dataclass
 class InFlight:
-    """A launched step: its rows, its step number and its device outputs."""
+    """A launched step: its rows, its step number and its device outputs.
+
+    A step may run as one or two jitted calls (parts); ``index[i]`` is where plan row ``i``'s
+    sampled token sits in the concatenation of the parts' ``tokens`` — what the next step
+    reads through ``from_prev``.
+    """
 
     step: int
     rows: list
-    out: object  # SampleOutput (device arrays)
-    tokens: jax.Array  # i32[max_num_seqs]: sampled tokens by row, the next step's ``prev``
+    parts: list  # [(row positions in plan order, SampleOutput on device)]
+    tokens: tuple  # (i32[max_rows], i32[max_rows]): sampled tokens of part 0 / part 1 by row
+    index: list[int]
     runner: "Runner"
-    _host: object = None
+    _host: HostSample | None = None
 
-    def result(self):
+    def result(self) -> HostSample:
         """Block until the step is done; the sampled tokens / logprobs on the host."""
         if self._host is None:
             t = time.perf_counter()
-            self._host = jax.device_get(self.out)
+            got = jax.device_get([o for _, o in self.parts])
             self.runner.wait_s += time.perf_counter() - t
+            n = len(self.rows)
+            fields = {}
+            for name in ("tokens", "logprob", "top_ids", "top_logprobs"):
+                first = getattr(got[0], name)
+                arr = np.zeros((n,) + first.shape[1:], first.dtype)
+                for (pos, _), o in zip(self.parts, got):
+                    arr[pos] = getattr(o, name)[: len(pos)]
+                fields[name] = arr
+            self._host = HostSample(**fields)
         return self._host
 
 
 class Runner:
     def __init__(self, model, cache_mgr, *, max_num_seqs: int, chunk_size: int, max_model_len: int,
-                 max_logprobs: int = 20, scratch_slot: int = 0, page_buckets=None):
+                 max_logprobs: int = 20, scratch_slot: int = 0, page_buckets=None, split_mixed: bool = True):
         self.model = model
         self.cache_mgr = cache_mgr
         self.page_size = cache_mgr.plan.page_size
@@ -89,6 +114,8 @@ class Runner:
         self.max_logprobs = max_logprobs
         self.scratch = scratch_slot
         self.max_rows = self.row_buckets[-1]
+        self.split_mixed = split_mixed
+        self.num_split_steps = 0  # mixed steps run as a prefill call + a decode call
         self.num_compiles = 0
         self.launch_s = 0.0  # host time building inputs and dispatching
         self.wait_s = 0.0  # host time blocked waiting for step results
@@ -97,8 +124,9 @@ class Runner:
         graphdef = model.graphdef
         M = self.max_rows
 
-        def fn(params, cache, batch, last_idx, sinp, prev_tokens, from_prev, pend_pos):
+        def fn(params, cache, batch, last_idx, sinp, prev_a, prev_b, from_prev, pend_pos):
             self.num_compiles += 1  # Python side effect: runs only while tracing
+            prev_tokens = jnp.concatenate([prev_a, prev_b])
             has_prev = from_prev >= 0
             prev = prev_tokens[jnp.maximum(from_prev, 0)]
             ids = batch.input_ids.at[:, 0].set(jnp.where(has_prev, prev, batch.input_ids[:, 0]))
@@ -123,8 +151,38 @@ class Runner:
 
     def launch(self, rows, prev: InFlight | None = None) -> InFlight:
         """Dispatch one step for ``rows`` (ScheduledRow-like: req, start, num_tokens) and return
-        at once. Tokens a row needs that are still on the device must come from ``prev``."""
+        at once. Tokens a row needs that are still on the device must come from ``prev``.
+
+        A mixed step (prefill chunks beside decode rows) runs as two calls — prefill rows at
+        ``chunk_size`` tokens, decode rows at 1 — when that at least halves the padded token
+        count (``split_mixed``); the cache flows from the first call into the second."""
         t = time.perf_counter()
+        prev_pair = prev.tokens if prev is not None else (self._zero_prev, self._zero_prev)
+        order = list(range(len(rows)))
+        groups = [order]
+        if self.split_mixed:
+            pre = [i for i in order if rows[i].num_tokens > 1]
+            dec = [i for i in order if rows[i].num_tokens == 1]
+            if pre and dec:
+                T = self._bucket(max(rows[i].num_tokens for i in pre), self.tok_buckets)
+                merged = self._bucket(len(rows), self.row_buckets) * T
+                split = self._bucket(len(pre), self.row_buckets) * T + self._bucket(len(dec), self.row_buckets)
+                if 2 * split <= merged:
+                    groups = [pre, dec]
+                    self.num_split_steps += 1
+        parts, outs, index = [], [], [0] * len(rows)
+        for g, pos in enumerate(groups):
+            out, full = self._launch_part([rows[i] for i in pos], prev, prev_pair)
+            parts.append((np.asarray(pos), out))
+            outs.append(full)
+            for j, i in enumerate(pos):
+                index[i] = g * self.max_rows + j
+        tokens = (outs[0], outs[1] if len(outs) > 1 else self._zero_prev)
+        self.num_steps += 1
+        self.launch_s += time.perf_counter() - t
+        return InFlight(self.num_steps, list(rows), parts, tokens, index, self)
+
+    def _launch_part(self, rows, prev, prev_pair):
         B = self._bucket(len(rows), self.row_buckets)
         T = self._bucket(max(r.num_tokens for r in rows), self.tok_buckets)
         need = max(-(-(r.start + r.num_tokens) // self.page_size) for r in rows)
@@ -158,12 +216,9 @@ class Runner:
             [r.req.prompt for r in rows], [r.req.output for r in rows], [self._suppress(r.req) for r in rows],
             pad_rows_to=B, pad_len_to=self.hist_len,
         )
-        prev_tokens = prev.tokens if prev is not None else self._zero_prev
         out, full, self.cache_mgr.cache = self._fn(self.model.params, self.cache_mgr.cache, batch, jnp.asarray(last),
-                                                   sinp, prev_tokens, jnp.asarray(from_prev), jnp.asarray(pend_pos))
-        self.num_steps += 1
-        self.launch_s += time.perf_counter() - t
-        return InFlight(self.num_steps, list(rows), out, full, self)
+                                                   sinp, *prev_pair, jnp.asarray(from_prev), jnp.asarray(pend_pos))
+        return out, full
 
     def execute(self, rows):
         """Run one step synchronously; the host-side sample outputs."""
@@ -197,6 +252,6 @@ class Runner:
                                         pad_len_to=self.hist_len)
             z = jnp.zeros(B, jnp.int32)
             out, _, self.cache_mgr.cache = self._fn(self.model.params, self.cache_mgr.cache, batch, z, sinp,
-                                                    self._zero_prev, z - 1, z)
+                                                    self._zero_prev, self._zero_prev, z - 1, z)
             jax.block_until_ready(out)
         return self.num_compiles - before

@@ -55,6 +55,7 @@ def test_batched_greedy_equals_golden_and_model(engine_a):
     outs = _run(eng, base + extra, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
     for o, w in zip(outs, want):
         assert o.token_ids == w and o.finish_reason == "length" and o.completion_tokens == 12
+    assert eng.stats()["num_split_steps"] > 0  # mixed steps ran as a prefill call + a decode call
     # mixed traffic after warm-up compiled nothing new
     assert eng.stats()["num_compiles"] == compiles
     _assert_all_free(eng)

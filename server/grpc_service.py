@@ -1,0 +1,407 @@
+"""The gRPC front: SGLang's scheduler protocol (as the ``smg`` router speaks it), standard
+health, server reflection, optional API key and TLS.
+
+Wire format: ``sglang.grpc.scheduler.SglangScheduler`` from the pinned PyPI
+``smg-grpc-proto`` stubs. Implemented: ``Generate`` (server streaming; ``stream=false`` sends
+only the final ``GenerateComplete``), ``Abort``, ``HealthCheck``, ``GetModelInfo``,
+``GetServerInfo``, ``GetLoads``, ``GetTokenizer`` (zip bundle of the checkpoint's tokenizer
+files + config.json, sha256 on the last chunk). Everything else answers UNIMPLEMENTED with
+a message.
+
+Proto3 cannot tell "absent" from zero, so zero means "default" where zero is not a
+meaningful value: ``top_p`` 0 → 1.0, ``top_k`` 0 → off, ``repetition_penalty`` 0 → 1.0,
+``n`` 0 → 1. ``temperature`` 0 is greedy. An absent ``max_new_tokens`` means "up to the
+context": ``max_model_len - len(prompt)``.
+
+Errors are gRPC statuses with a message, and a refused request changes nothing in the
+engine: INVALID_ARGUMENT (malformed or unsupported parameters, duplicate request id in
+flight), OUT_OF_RANGE (token ids outside the vocabulary, prompt or max_new_tokens beyond the
+context), RESOURCE_EXHAUSTED (a request that cannot fit the KV budget even alone; messages
+larger than the configured limit), UNAVAILABLE (not ready yet, or shutting down),
+UNAUTHENTICATED (missing / wrong API key). A client that cancels or whose deadline passes
+has its request aborted in the engine, which frees its pages and slot.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import threading
+import time
+import uuid
+import zipfile
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from google.protobuf import struct_pb2, timestamp_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from .request import RequestError
+from .sampling_params import SamplingParams
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model",
+                   "special_tokens_map.json", "generation_config.json", "config.json")
+VERSION = "k3serve-0.1.0"
+
+
+def _status(code: str) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, code, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+class BadRequest(RequestError):
+    pass
+
+
+def sampling_from_proto(req: "pb.GenerateRequest", *, max_model_len: int, has_detokenizer: bool) -> SamplingParams:
+    """Map a GenerateRequest's sampling options to ours; raise BadRequest for what we refuse."""
+    sp = req.sampling_params
+    has_sp = req.HasField("sampling_params")
+    n_prompt = len(req.tokenized.input_ids)
+    if has_sp:
+        constraint = sp.WhichOneof("constraint")
+        if constraint:
+            raise BadRequest(f"constrained decoding ({constraint}) is not supported by this server")
+        if sp.n > 1:
+            raise BadRequest(f"n={sp.n} is not supported (one sample per request)")
+        if len(sp.logit_bias):
+            raise BadRequest("logit_bias is not supported")
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(sp, name)):
+                raise BadRequest(f"{name} must be a finite number, got {getattr(sp, name)}")
+        if sp.temperature < 0:
+            raise BadRequest(f"temperature must be >= 0, got {sp.temperature}")
+        if not 0 <= sp.top_p <= 1:
+            raise BadRequest(f"top_p must be in (0, 1], got {sp.top_p}")
+        if sp.top_k < -1:
+            raise BadRequest(f"top_k must be -1 (off) or >= 1, got {sp.top_k}")
+        if sp.stop and not has_detokenizer:
+            raise BadRequest("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
+    if sp.HasField("max_new_tokens"):
+        max_new = int(sp.max_new_tokens)
+        if max_new <= 0:
+            raise BadRequest(f"max_new_tokens must be >= 1, got {max_new}")
+    else:
+        max_new = max(1, max_model_len - n_prompt)
+    logprobs = None
+    if req.return_logprob:
+        logprobs = int(req.top_logprobs_num)
+        if logprobs < 0:
+            raise BadRequest(f"top_logprobs_num must be >= 0, got {logprobs}")
+    if req.mm_inputs.ByteSize() or len(req.input_embeds):
+        raise BadRequest("multimodal inputs and input embeddings are not supported")
+    if req.lora_id:
+        raise BadRequest(f"LoRA adapter {req.lora_id!r} is not loaded (no LoRA support)")
+    if req.custom_logit_processor:
+        raise BadRequest("custom logit processors are not supported")
+    if req.return_hidden_states:
+        raise BadRequest("return_hidden_states is not supported")
+    try:
+        return SamplingParams(
+            max_new_tokens=max_new,
+            temperature=float(sp.temperature),
+            top_p=float(sp.top_p) if sp.top_p > 0 else 1.0,
+            top_k=int(sp.top_k) if sp.top_k > 0 else -1,
+            min_p=float(sp.min_p),
+            frequency_penalty=float(sp.frequency_penalty),
+            presence_penalty=float(sp.presence_penalty),
+            repetition_penalty=float(sp.repetition_penalty) if sp.repetition_penalty != 0 else 1.0,
+            stop=list(sp.stop),
+            stop_token_ids=[int(t) for t in sp.stop_token_ids],
+            ignore_eos=bool(sp.ignore_eos),
+            min_new_tokens=int(sp.min_new_tokens),
+            logprobs=logprobs,
+        )
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+
+
+def _struct(d: dict) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    s.update(d)
+    return s
+
+
+def tokenizer_bundle(model_dir: Path | None) -> bytes:
+    """A zip of the checkpoint's tokenizer files and config.json (what smg's GetTokenizer wants)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        if model_dir is not None:
+            for name in TOKENIZER_FILES:
+                p = Path(model_dir) / name
+                if p.is_file():
+                    z.write(p, name)
+    return buf.getvalue()
+
+
+class Servicer(pb_grpc.SglangSchedulerServicer):
+    """Holds an ``EngineLoop`` once the model is ready; until then answers UNAVAILABLE."""
+
+    def __init__(self, *, model_dir=None, served_model_name: str = "k3serve", metrics=None,
+                 tokenizer=None, server_args: dict | None = None):
+        self.loop = None
+        self.model_dir = Path(model_dir) if model_dir else None
+        self.served_model_name = served_model_name
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+        self.server_args = dict(server_args or {})
+        self.start_time = time.time()
+        self.last_receive = 0.0
+        self._bundle: bytes | None = None
+
+    def set_ready(self, loop) -> None:
+        self.loop = loop
+
+    def _loop(self, context):
+        loop = self.loop
+        if loop is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        if not loop.accepting:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        return loop
+
+    # ------------------------------------------------------------------ generate
+    def Generate(self, request, context):
+        loop = self._loop(context)
+        self.last_receive = time.time()
+        eng = loop.engine
+        rid = request.request_id or f"k3-{uuid.uuid4().hex}"
+        try:
+            params = sampling_from_proto(request, max_model_len=eng.max_model_len,
+                                         has_detokenizer=eng.detokenize is not None)
+            handle = loop.submit(list(request.tokenized.input_ids), params, rid=rid)
+        except RequestError as e:
+            if self.metrics is not None:
+                self.metrics.rejected(e.code)
+            context.abort(_status(e.code), str(e))
+        context.add_callback(handle.abort)  # cancel / deadline / disconnect: free the request
+        n_prompt = handle.num_prompt
+        want_lp = params.logprobs is not None
+        sent_lp = 0
+        for out in handle.outputs(should_stop=lambda: not context.is_active()):
+            if request.stream and out.new_token_ids:
+                chunk = pb.GenerateStreamChunk(token_ids=out.new_token_ids, prompt_tokens=n_prompt,
+                                               completion_tokens=out.completion_tokens, cached_tokens=0)
+                if want_lp:
+                    chunk.output_logprobs.CopyFrom(_logprobs(out.logprobs[sent_lp:], out.token_ids[sent_lp:]))
+                    sent_lp = len(out.logprobs)
+                yield pb.GenerateResponse(request_id=rid, chunk=chunk)
+            if out.finished:
+                done = pb.GenerateComplete(output_ids=out.token_ids, finish_reason=out.finish_reason or "abort",
+                                           prompt_tokens=n_prompt, completion_tokens=out.completion_tokens,
+                                           cached_tokens=0)
+                if isinstance(out.matched_stop, str):
+                    done.matched_stop_str = out.matched_stop
+                elif out.matched_stop is not None:
+                    done.matched_token_id = int(out.matched_stop)
+                if want_lp:
+                    done.output_logprobs.CopyFrom(_logprobs(out.logprobs or [], out.token_ids))
+                yield pb.GenerateResponse(request_id=rid, complete=done)
+
+    def Abort(self, request, context):
+        loop = self._loop(context)
+        ok = loop.abort(request.request_id)
+        return pb.AbortResponse(success=ok, message="aborted" if ok else f"no running request {request.request_id!r}")
+
+    # ------------------------------------------------------------------ info
+    def HealthCheck(self, request, context):
+        loop = self.loop
+        if loop is None:
+            return pb.HealthCheckResponse(healthy=False, message="loading")
+        if loop.error is not None:
+            return pb.HealthCheckResponse(healthy=False, message=f"engine failed: {loop.error!r}")
+        if not loop.accepting:
+            return pb.HealthCheckResponse(healthy=False, message="shutting down")
+        return pb.HealthCheckResponse(healthy=True, message="ok")
+
+    def GetModelInfo(self, request, context):
+        loop = self._loop(context)
+        cfg = loop.engine.model.config
+        raw = {}
+        if self.model_dir is not None and (self.model_dir / "config.json").is_file():
+            raw = json.loads((self.model_dir / "config.json").read_text())
+        eos = cfg.eos_token_id
+        tok_dir = str(self.model_dir) if self.model_dir and any(
+            (self.model_dir / f).is_file() for f in TOKENIZER_FILES[:4]) else ""
+        return pb.GetModelInfoResponse(
+            model_path=str(self.model_dir or ""), tokenizer_path=tok_dir, is_generation=True,
+            served_model_name=self.served_model_name, max_context_length=loop.engine.max_model_len,
+            vocab_size=cfg.vocab_size, supports_vision=False, model_type=str(raw.get("model_type", cfg.family)),
+            eos_token_ids=[eos] if eos is not None else [], pad_token_id=_int_or(cfg.pad_token_id, 0),
+            bos_token_id=_int_or(cfg.bos_token_id, 0), max_req_input_len=loop.engine.max_model_len - 1,
+            architectures=list(raw.get("architectures", [])), weight_version="default",
+        )
+
+    def GetServerInfo(self, request, context):
+        loop = self._loop(context)
+        st = loop.stats()
+        eng = loop.engine
+        args = {
+            "model_path": str(self.model_dir or ""), "served_model_name": self.served_model_name,
+            "max_running_requests": eng.scheduler.max_num_seqs, "max_num_seqs": eng.scheduler.max_num_seqs,
+            "max_total_num_tokens": st["max_tokens_in_kv"], "max_prefill_tokens": eng.scheduler.max_num_batched_tokens,
+            "chunked_prefill_size": eng.scheduler.chunk_size, "page_size": eng.plan.page_size,
+            "context_length": eng.max_model_len, "tp_size": 1, "dp_size": 1, "ep_size": 1, "pp_size": 1,
+            "dcp_size": 1, "disaggregation_mode": "null", "dtype": str(eng.model.dtype),
+            **self.server_args,
+        }
+        sched = {"num_pages": eng.plan.num_pages, "num_slots": eng.plan.num_slots,
+                 "max_concurrent_slots": st["max_concurrent_slots"], "num_compiles": st["num_compiles"],
+                 "warmup_s": round(st["warmup_s"], 3)}
+        ts = timestamp_pb2.Timestamp()
+        ts.FromSeconds(int(self.start_time))
+        return pb.GetServerInfoResponse(
+            server_args=_struct(args), scheduler_info=_struct(sched), active_requests=st["active_requests"],
+            is_paused=not loop.accepting, last_receive_timestamp=self.last_receive,
+            uptime_seconds=time.time() - self.start_time, sglang_version=VERSION, server_type="grpc",
+            start_time=ts, max_total_num_tokens=st["max_tokens_in_kv"])
+
+    def GetLoads(self, request, context):
+        loop = self._loop(context)
+        st = loop.stats()
+        eng = loop.engine
+        used = (eng.plan.num_pages - st["free_pages"]) * eng.plan.page_size
+        cap = max(1, st["max_tokens_in_kv"])
+        running, waiting = st["running"], st["waiting"]
+        load = pb.SchedulerLoad(
+            dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting, num_total_reqs=running + waiting,
+            num_used_tokens=used, max_total_num_tokens=st["max_tokens_in_kv"], token_usage=used / cap,
+            max_running_requests=eng.scheduler.max_num_seqs, utilization=running / max(1, eng.scheduler.max_num_seqs),
+            num_waiting_uncached_tokens=sum(r.remaining for r in list(eng.scheduler.waiting)))
+        agg = pb.AggregateMetrics(total_running_reqs=running, total_waiting_reqs=waiting,
+                                  total_reqs=running + waiting, avg_token_usage=used / cap,
+                                  avg_utilization=load.utilization)
+        return pb.GetLoadsResponse(timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), version=VERSION,
+                                   dp_rank_count=1, loads=[load], aggregate=agg)
+
+    def GetTokenizer(self, request, context):
+        if self._bundle is None:
+            self._bundle = tokenizer_bundle(self.model_dir)
+        data = self._bundle
+        digest = hashlib.sha256(data).hexdigest()
+        step = 1 << 20
+        for i in range(0, max(len(data), 1), step):
+            last = i + step >= len(data)
+            yield common_pb2.GetTokenizerChunk(data=data[i:i + step], sha256=digest if last else "")
+
+    # ------------------------------------------------------------------ not here
+    def _unimplemented(self, context, what):
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{what} is not implemented by k3serve")
+
+    def Embed(self, request, context):
+        self._unimplemented(context, "Embed (k3serve serves generation models only)")
+
+    def FlushCache(self, request, context):
+        self._unimplemented(context, "FlushCache (no prefix cache yet)")
+
+    def StartProfile(self, request, context):
+        self._unimplemented(context, "StartProfile")
+
+    def StopProfile(self, request, context):
+        self._unimplemented(context, "StopProfile")
+
+    def SubscribeKvEvents(self, request, context):
+        self._unimplemented(context, "SubscribeKvEvents (no prefix cache yet)")
+
+    def LoadLoRAAdapter(self, request, context):
+        self._unimplemented(context, "LoRA")
+
+    def UnloadLoRAAdapter(self, request, context):
+        self._unimplemented(context, "LoRA")
+
+    def ListLoadedLoRAAdapters(self, request, context):
+        self._unimplemented(context, "LoRA")
+
+
+def _int_or(v, default):
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return default
+
+
+def _logprobs(lps, ids) -> "pb.OutputLogProbs":
+    out = pb.OutputLogProbs()
+    for (lp, top), tid in zip(lps, ids):
+        out.token_logprobs.append(lp)
+        out.token_ids.append(int(tid))
+        out.top_logprobs.append(pb.TopLogProbs(values=[b for _, b in top], token_ids=[int(a) for a, _ in top]))
+    return out
+
+
+class _ApiKey(grpc.ServerInterceptor):
+    """Require ``authorization: Bearer KEY`` (or the bare key) except for health and reflection."""
+
+    OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+    def __init__(self, key: str):
+        self.key = key
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (authorization metadata)")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, details):
+        if details.method.startswith(self.OPEN):
+            return continuation(details)
+        got = dict(details.invocation_metadata).get("authorization", "")
+        if got in (self.key, f"Bearer {self.key}"):
+            return continuation(details)
+        handler = continuation(details)
+        if handler is not None and handler.response_streaming:
+            return self._deny_stream
+        return self._deny
+
+
+class GrpcServer:
+    """A started gRPC server: the scheduler servicer, health and reflection."""
+
+    def __init__(self, servicer: Servicer, *, host: str = "127.0.0.1", port: int = 50051, max_workers: int = 128,
+                 api_key: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 max_message_bytes: int = 16 << 20):
+        self.servicer = servicer
+        interceptors = [_ApiKey(api_key)] if api_key else []
+        opts = [("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes), ("grpc.so_reuseport", 0)]
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="k3-grpc"),
+                                  interceptors=interceptors, options=opts, maximum_concurrent_rpcs=max_workers - 4)
+        pb_grpc.add_SglangSchedulerServicer_to_server(servicer, self.server)
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server)
+        addr = f"{host}:{port}"
+        if tls_cert and tls_key:
+            creds = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
+            self.port = self.server.add_secure_port(addr, creds)
+        else:
+            self.port = self.server.add_insecure_port(addr)
+        if not self.port:
+            raise OSError(f"cannot bind {addr}")
+        self.host = host
+        self.server.start()
+
+    def set_ready(self, loop) -> None:
+        self.servicer.set_ready(loop)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def shutdown(self, grace_s: float = 30.0) -> int:
+        """Graceful stop: NOT_SERVING, stop admitting, let in-flight requests finish for up to
+        ``grace_s`` (then abort them), stop the engine and the server. Returns aborted count."""
+        self.health.enter_graceful_shutdown()
+        loop = self.servicer.loop
+        aborted = loop.drain(grace_s) if loop is not None else 0
+        self.server.stop(grace=5).wait(10)
+        return aborted

@@ -1,0 +1,86 @@
+"""Prometheus metrics of a serving process (own registry, so tests can run several servers).
+
+Histograms are observed by the engine loop as outputs leave it (``observe_output``):
+time to first token, inter-token latency (a chunk of k tokens after a gap g counts k gaps
+of g/k), end-to-end latency. Gauges and counters that the engine already keeps (running /
+waiting requests, KV pages used, preemptions, compilations, steps) are read at scrape time.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("k3serve_time_to_first_token_seconds", "Submit to first generated token", buckets=_LAT,
+                              registry=r)
+        self.itl = Histogram("k3serve_inter_token_latency_seconds", "Gap between generated tokens", buckets=_LAT,
+                             registry=r)
+        self.e2e = Histogram("k3serve_e2e_request_latency_seconds", "Submit to finish", buckets=_LAT + (300,),
+                             registry=r)
+        self.finished = Counter("k3serve_requests_finished", "Finished requests by reason", ["reason"], registry=r)
+        self.rejected_c = Counter("k3serve_requests_rejected", "Refused requests by gRPC status", ["code"], registry=r)
+        self.prompt_tokens = Counter("k3serve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.gen_tokens = Counter("k3serve_generation_tokens", "Generated tokens", registry=r)
+        self.loop = None
+        r.register(_EngineCollector(self))
+        self._http = None
+
+    def observe_output(self, handle, out, now: float) -> None:
+        k = len(out.new_token_ids)
+        if k:
+            self.gen_tokens.inc(k)
+            if handle.first_token_at == now and handle.last_token_at is None:
+                self.ttft.observe(now - handle.submitted)
+                k -= 1
+                prev = now
+            else:
+                prev = handle.last_token_at or handle.first_token_at or now
+            for _ in range(k):
+                self.itl.observe((now - prev) / max(1, len(out.new_token_ids)))
+        if out.finished:
+            self.e2e.observe(now - handle.submitted)
+            self.finished.labels(out.finish_reason or "abort").inc()
+            self.prompt_tokens.inc(out.prompt_tokens)
+
+    def rejected(self, code: str) -> None:
+        self.rejected_c.labels(code).inc()
+
+    def serve_http(self, host: str = "127.0.0.1", port: int = 9090):
+        """Expose /metrics; returns the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return server.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http = None
+
+
+class _EngineCollector:
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+
+    def collect(self):
+        loop = self.m.loop
+        if loop is None:
+            return
+        st = loop.stats()
+        eng = loop.engine
+        g = lambda name, doc, v: GaugeMetricFamily(name, doc, value=v)
+        yield g("k3serve_requests_running", "Requests holding a KDA slot", st["running"])
+        yield g("k3serve_requests_waiting", "Requests queued", st["waiting"])
+        yield g("k3serve_kv_pages_used", "MLA KV pages in use", eng.plan.num_pages - st["free_pages"])
+        yield g("k3serve_kv_pages_total", "MLA KV pages", eng.plan.num_pages)
+        yield g("k3serve_kda_slots_free", "Free KDA state slots", st["free_slots"])
+        yield CounterMetricFamily("k3serve_preemptions", "Requests preempted (recomputed later)",
+                                  value=st["num_preemptions"])
+        yield CounterMetricFamily("k3serve_compilations", "Traces of the step function (compiles)",
+                                  value=st["num_compiles"])
+        yield CounterMetricFamily("k3serve_engine_steps", "Engine steps", value=st["num_steps"])

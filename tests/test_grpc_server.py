@@ -1,0 +1,285 @@
+"""The gRPC server with the smg-grpc-proto stubs as the client: protocol, health, reflection,
+bad input, cancellation, deadlines, a 64-stream load test with cancellations, API key, and
+graceful shutdown. Every server binds 127.0.0.1 on a free port and is stopped at the end."""
+from __future__ import annotations
+
+import io
+import threading
+import time
+import zipfile
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from _util import DATA, golden, load_case
+from k3serve.server.engine import Engine
+from k3serve.server.engine_loop import EngineLoop
+from k3serve.server.grpc_service import GrpcServer, Servicer
+from k3serve.server.metrics import Metrics
+
+CASE = "k3-tiny-a"
+V = 512  # k3-tiny-a vocabulary
+
+
+def _engine():
+    return Engine(load_case(CASE), max_num_seqs=4, max_num_batched_tokens=40, chunk_size=16, page_size=16,
+                  max_model_len=128, num_pages=40)
+
+
+class Served:
+    def __init__(self, engine, **kw):
+        self.metrics = Metrics()
+        self.loop = EngineLoop(engine, on_output=self.metrics.observe_output)
+        self.metrics.loop = self.loop
+        self.servicer = Servicer(model_dir=DATA / CASE, metrics=self.metrics)
+        self.server = GrpcServer(self.servicer, host="127.0.0.1", port=0, **kw)
+        self.server.set_ready(self.loop)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.port}")
+        self.stub = pb_grpc.SglangSchedulerStub(self.channel)
+
+    def close(self):
+        self.channel.close()
+        self.server.shutdown(grace_s=5)
+
+
+@pytest.fixture(scope="module")
+def served():
+    s = Served(_engine(), max_message_bytes=1 << 20)
+    yield s
+    s.close()
+
+
+def _req(ids, rid="", max_new=12, stream=True, **sp):
+    sp.setdefault("ignore_eos", True)
+    return pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=ids), stream=stream,
+                              sampling_params=pb.SamplingParams(max_new_tokens=max_new, **sp))
+
+
+def _collect(stub, req, timeout=120):
+    chunks, complete = [], None
+    for r in stub.Generate(req, timeout=timeout):
+        if r.HasField("chunk"):
+            chunks.append(r.chunk)
+        else:
+            complete = r.complete
+    return chunks, complete
+
+
+def _prompts():
+    g = golden(CASE)
+    return ([list(map(int, g[f"input_ids_{i}"])) for i in range(3)],
+            [list(map(int, g[f"gen_tokens_{i}"])) for i in range(3)])
+
+
+def _all_free(loop, timeout=10.0):
+    t = time.monotonic() + timeout
+    while time.monotonic() < t:
+        st = loop.stats()
+        if st["active_requests"] == 0 and st["running"] == 0 and st["waiting"] == 0:
+            break
+        time.sleep(0.02)
+    st = loop.stats()
+    eng = loop.engine
+    with loop._lock:
+        eng.cache.check_invariants()
+    assert st["free_pages"] == eng.plan.num_pages and st["free_slots"] == eng.plan.num_slots - 1, st
+
+
+def test_generate_stream_and_unary_match_golden(served):
+    base, expect = _prompts()
+    chunks, done = _collect(served.stub, _req(base[0], rid="a0"))
+    assert [t for c in chunks for t in c.token_ids] == expect[0] == list(done.output_ids)
+    assert done.finish_reason == "length" and done.completion_tokens == 12 and done.prompt_tokens == len(base[0])
+    counts = [c.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 12 and all(c.prompt_tokens == len(base[0]) for c in chunks)
+    # stream=false: only the complete message
+    chunks, done = _collect(served.stub, _req(base[1], stream=False))
+    assert chunks == [] and list(done.output_ids) == expect[1]
+    # stop token id -> "stop" with matched_token_id; logprobs
+    chunks, done = _collect(served.stub, pb.GenerateRequest(
+        tokenized=pb.TokenizedInput(input_ids=base[2]), stream=True, return_logprob=True, top_logprobs_num=2,
+        sampling_params=pb.SamplingParams(max_new_tokens=12, stop_token_ids=[expect[2][3]])))
+    assert list(done.output_ids) == expect[2][:4] and done.finish_reason == "stop"
+    assert done.WhichOneof("matched_stop") == "matched_token_id" and done.matched_token_id == expect[2][3]
+    lp = done.output_logprobs
+    assert list(lp.token_ids) == expect[2][:4] and len(lp.top_logprobs) == 4 and len(lp.top_logprobs[0].values) == 2
+    assert sum(len(c.output_logprobs.token_ids) for c in chunks) == 4
+    _all_free(served.loop)
+
+
+def test_info_health_reflection_tokenizer(served):
+    stub = served.stub
+    assert stub.HealthCheck(pb.HealthCheckRequest()).healthy
+    h = health_pb2_grpc.HealthStub(served.channel)
+    for svc in ("", "sglang.grpc.scheduler.SglangScheduler"):
+        assert h.Check(health_pb2.HealthCheckRequest(service=svc)).status == health_pb2.HealthCheckResponse.SERVING
+    mi = stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert mi.vocab_size == V and mi.max_context_length == 128 and mi.is_generation and mi.model_type == "kimi_k3"
+    si = stub.GetServerInfo(pb.GetServerInfoRequest())
+    assert si.server_args["max_running_requests"] == 4 and si.max_total_num_tokens == 40 * 16
+    assert si.server_args["tp_size"] == 1 and si.server_type == "grpc"
+    loads = stub.GetLoads(pb.GetLoadsRequest())
+    assert loads.loads[0].max_running_requests == 4 and loads.loads[0].num_running_reqs == 0
+    data = b"".join(c.data for c in stub.GetTokenizer(common_pb2.GetTokenizerRequest()))
+    assert "config.json" in zipfile.ZipFile(io.BytesIO(data)).namelist()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Embed(pb.EmbedRequest())
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "k3serve" in e.value.details()
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    r = reflection_pb2_grpc.ServerReflectionStub(served.channel)
+    resp = next(r.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"sglang.grpc.scheduler.SglangScheduler", "grpc.health.v1.Health"} <= names
+
+
+def test_bad_inputs_are_refused_and_change_nothing(served):
+    base, expect = _prompts()
+    SP = pb.SamplingParams
+    inf, nan = float("inf"), float("nan")
+    ok = [3, 4, 5]
+    cases = [
+        (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[]), sampling_params=SP(max_new_tokens=4)), "INVALID_ARGUMENT"),
+        (pb.GenerateRequest(sampling_params=SP(max_new_tokens=4)), "INVALID_ARGUMENT"),
+        (_req([1, V]), "OUT_OF_RANGE"),
+        (_req([1, 2**31]), "OUT_OF_RANGE"),
+        (_req([7] * 128), "OUT_OF_RANGE"),
+        (_req([7] * 500), "OUT_OF_RANGE"),
+        (_req(ok, max_new=0), "INVALID_ARGUMENT"),
+        (_req(ok, max_new=10**9), "OUT_OF_RANGE"),
+        (_req(ok, temperature=nan), "INVALID_ARGUMENT"),
+        (_req(ok, temperature=-0.5), "INVALID_ARGUMENT"),
+        (_req(ok, temperature=inf), "INVALID_ARGUMENT"),
+        (_req(ok, top_p=1.5), "INVALID_ARGUMENT"),
+        (_req(ok, top_p=-0.1), "INVALID_ARGUMENT"),
+        (_req(ok, top_k=-2), "INVALID_ARGUMENT"),
+        (_req(ok, min_p=2.0), "INVALID_ARGUMENT"),
+        (_req(ok, repetition_penalty=-1.0), "INVALID_ARGUMENT"),
+        (_req(ok, frequency_penalty=5.0), "INVALID_ARGUMENT"),
+        (_req(ok, presence_penalty=nan), "INVALID_ARGUMENT"),
+        (_req(ok, regex="a+"), "INVALID_ARGUMENT"),
+        (_req(ok, json_schema="{}"), "INVALID_ARGUMENT"),
+        (_req(ok, ebnf_grammar="root ::= 'a'"), "INVALID_ARGUMENT"),
+        (_req(ok, structural_tag="x"), "INVALID_ARGUMENT"),
+        (_req(ok, n=3), "INVALID_ARGUMENT"),
+        (_req(ok, stop_token_ids=[V + 5]), "OUT_OF_RANGE"),
+        (_req(ok, min_new_tokens=50, max_new=4), "INVALID_ARGUMENT"),
+        (_req(ok, stop=["x"]), "INVALID_ARGUMENT"),  # no tokenizer with this checkpoint
+        (_req(ok, logit_bias={"3": 1.0}), "INVALID_ARGUMENT"),
+        (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ok), return_logprob=True, top_logprobs_num=99,
+                            sampling_params=SP(max_new_tokens=4)), "INVALID_ARGUMENT"),
+        (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ok), lora_id="x",
+                            sampling_params=SP(max_new_tokens=4)), "INVALID_ARGUMENT"),
+        (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ok), input_embeds=[0.1],
+                            sampling_params=SP(max_new_tokens=4)), "INVALID_ARGUMENT"),
+        (_req([300] * 600_000), "RESOURCE_EXHAUSTED"),  # 1.2 MB: over the 1 MiB message limit
+    ]
+    for i, (req, code) in enumerate(cases):
+        with pytest.raises(grpc.RpcError) as e:
+            _collect(served.stub, req)
+            pytest.fail(f"case {i} was accepted")
+        assert e.value.code() == getattr(grpc.StatusCode, code), (i, e.value.details())
+        assert e.value.details()
+    # a duplicate request id while the first is in flight
+    first = served.stub.Generate(_req(base[0], rid="dup", max_new=40), timeout=120)
+    next(first)
+    with pytest.raises(grpc.RpcError) as e:
+        _collect(served.stub, _req(ok, rid="dup"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dup" in e.value.details()
+    first.cancel()
+    assert len(cases) + 1 >= 25
+    # the server still serves, with the output a fresh server gives (the golden one)
+    _, done = _collect(served.stub, _req(base[0]))
+    assert list(done.output_ids) == expect[0]
+    assert served.loop.stats()["num_compiles"] == len(served.loop.engine.runner.shape_buckets())
+    _all_free(served.loop)
+
+
+def test_cancel_deadline_and_abort_free_the_request(served):
+    base, _ = _prompts()
+    stream = served.stub.Generate(_req(base[1], max_new=100), timeout=120)
+    next(stream)
+    stream.cancel()
+    _all_free(served.loop)
+    with pytest.raises(grpc.RpcError) as e:
+        _collect(served.stub, _req(base[1], max_new=100), timeout=0.3)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _all_free(served.loop)
+    stream = served.stub.Generate(_req(base[2], rid="to-abort", max_new=100), timeout=120)
+    next(stream)
+    assert served.stub.Abort(pb.AbortRequest(request_id="to-abort")).success
+    last = list(stream)[-1]
+    assert last.complete.finish_reason == "abort"
+    assert not served.stub.Abort(pb.AbortRequest(request_id="to-abort")).success
+    _all_free(served.loop)
+
+
+def test_64_streams_a_third_cancelled(served):
+    base, expect = _prompts()
+    results, errors = {}, []
+
+    def one(i):
+        ids = base[i % 3]
+        call = served.stub.Generate(_req(ids, rid=f"load-{i}", max_new=12), timeout=300)
+        got = []
+        try:
+            for r in call:
+                if r.HasField("chunk"):
+                    got.extend(r.chunk.token_ids)
+                    if i % 3 == 0 and len(got) >= 2:
+                        call.cancel()
+                        results[i] = "cancelled"
+                        return
+                else:
+                    results[i] = list(r.complete.output_ids)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED and i % 3 == 0:
+                results[i] = "cancelled"
+            else:
+                errors.append((i, e.code(), e.details()))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors and len(results) == 64
+    for i, r in results.items():
+        if i % 3 == 0:
+            assert r == "cancelled"
+        else:
+            assert r == expect[i % 3], i
+    _all_free(served.loop)
+    text = __import__("prometheus_client").generate_latest(served.metrics.registry).decode()
+    assert "k3serve_time_to_first_token_seconds_count" in text and "k3serve_kv_pages_used 0.0" in text
+
+
+def test_api_key_and_graceful_shutdown():
+    base, expect = _prompts()
+    s = Served(_engine(), api_key="sekret")
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            s.stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:
+            _collect(s.stub, _req(base[0]))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        md = (("authorization", "Bearer sekret"),)
+        assert s.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=md).vocab_size == V
+        # health stays open for probes
+        h = health_pb2_grpc.HealthStub(s.channel)
+        assert h.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+        # shutdown with one request in flight: it finishes within the grace period
+        call = s.stub.Generate(_req(base[1], max_new=12), metadata=md, timeout=120)
+        next(call)
+        aborted = s.server.shutdown(grace_s=60)
+        rest = list(call)
+        assert aborted == 0 and list(rest[-1].complete.output_ids) == expect[1]
+    finally:
+        s.channel.close()
+        s.server.server.stop(0)
+        s.loop.stop()
