@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 serve: $(STAMP)
-	$(BIN)/k3serve generate --demo --prompt-ids 1,2,3,4,5 --max-new-tokens 16
+	$(BIN)/k3serve serve
 
 clean:
 	rm -rf $(VENV) build *.egg-info

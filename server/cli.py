@@ -4,8 +4,9 @@ Subcommands:
   generate   load a checkpoint (or the embedded demo model) and greedy-decode token ids
   info       print a checkpoint's parsed config and parameter count
   serve      serve a checkpoint over gRPC (SGLang scheduler protocol, health, reflection)
-  bench      benchmarks: ``bench offline`` = engine throughput at several concurrencies
-             (tools/bench_offline.py; ``k3serve bench offline --help``)
+  bench      ``bench --server HOST:PORT --trace T.jsonl``: replay a Mooncake trace over gRPC
+             (server/bench.py); ``bench offline``: engine throughput at several concurrencies
+             (tools/bench_offline.py)
 
 Compiled programs are cached on disk (``$K3SERVE_CACHE/jax``, default
 ``~/.cache/k3serve/jax``) so a second start skips XLA compilation.
@@ -51,7 +52,56 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
+def cmd_generate_remote(args) -> int:
+    """Stream a completion from a running server (text via the server's own tokenizer)."""
+    from .client import Client
+
+    with Client(args.server, api_key=args.api_key) as c:
+        tok = None
+        if args.ids:
+            ids = _parse_ids(args.ids)
+        else:
+            if not args.text:
+                raise SystemExit("give a prompt text, or --ids")
+            tok = c.tokenizer()
+            if tok is None:
+                raise SystemExit("the server has no tokenizer: use --ids")
+            if args.chat:
+                from .chat import encode_chat
+
+                ids = encode_chat(tok, [{"role": "user", "content": args.text}], thinking=args.thinking)
+            else:
+                ids = tok.encode(args.text)
+        detok = tok.detokenizer(skip_special_tokens=not args.show_special) if tok is not None else None
+        t0 = time.perf_counter()
+        ttft = None
+        done = None
+        try:
+            for r in c.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_p=args.top_p, ignore_eos=args.ignore_eos):
+                if r.HasField("chunk"):
+                    ttft = ttft or time.perf_counter() - t0
+                    new = list(r.chunk.token_ids)
+                    sys.stdout.write(detok.add(new) if detok else " ".join(map(str, new)) + " ")
+                    sys.stdout.flush()
+                else:
+                    done = r.complete
+        except Exception as e:  # grpc.RpcError: print the status, not a traceback
+            code = getattr(e, "code", lambda: None)()
+            details = getattr(e, "details", lambda: str(e))()
+            print(f"\nerror: {code.name if code else type(e).__name__}: {details}", file=sys.stderr)
+            return 2
+        if detok:
+            sys.stdout.write(detok.flush())
+        wall = time.perf_counter() - t0
+        print(f"\n[{done.finish_reason}; {len(ids)} prompt + {done.completion_tokens} generated tokens; "
+              f"TTFT {1000 * (ttft or wall):.0f} ms; {wall:.2f} s]", file=sys.stderr)
+    return 0
+
+
 def cmd_generate(args) -> int:
+    if args.server:
+        return cmd_generate_remote(args)
     _enable_compile_cache()
     from ..model import load_pretrained
 
@@ -59,7 +109,7 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     m = load_pretrained(path, dtype=args.dtype, dequantize_experts=args.dequantize_experts)
     t1 = time.perf_counter()
-    ids = _parse_ids(args.prompt_ids)
+    ids = _parse_ids(args.ids or args.prompt_ids)
     try:
         stop = [m.config.eos_token_id] if (args.stop_at_eos and m.config.eos_token_id is not None) else []
         out = m.greedy(ids, max_new_tokens=args.max_new_tokens, stop_ids=stop)
@@ -102,11 +152,14 @@ def cmd_info(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    if args.kind == "offline":
+    rest = list(args.rest)
+    if rest and rest[0] == "offline":
         from ..tools import bench_offline
 
-        return bench_offline.main(args.rest)
-    raise SystemExit(f"unknown benchmark {args.kind!r}")
+        return bench_offline.main(rest[1:])
+    from .bench import bench_main
+
+    return bench_main(rest)
 
 
 def cmd_serve(args) -> int:
@@ -122,7 +175,8 @@ def cmd_serve(args) -> int:
     metrics = Metrics()
     servicer = Servicer(model_dir=path, served_model_name=args.served_model_name or path.name, metrics=metrics)
     server = GrpcServer(servicer, host=args.host, port=args.port, api_key=args.api_key, tls_cert=args.tls_cert,
-                        tls_key=args.tls_key, max_message_bytes=args.max_message_mb << 20)
+                        tls_key=args.tls_key, max_message_bytes=args.max_message_mb << 20,
+                        max_workers=args.max_concurrent_rpcs + 8)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -130,23 +184,42 @@ def cmd_serve(args) -> int:
     if args.metrics_port >= 0:
         mport = metrics.serve_http(args.metrics_host, args.metrics_port)
         print(f"k3serve: Prometheus metrics on http://{args.metrics_host}:{mport}/metrics", flush=True)
-    loop = None
-    try:
-        loop = _start_engine(args, path, metrics)
-        if stop.is_set():
-            raise KeyboardInterrupt
+    # load + warm up on a worker thread: the main thread stays in Python, so SIGTERM/SIGINT
+    # are handled at once even while XLA compiles
+    box: dict = {}
+
+    def load():
+        try:
+            box["loop"] = _start_engine(args, path, metrics)
+        except BaseException as e:  # reported by the main thread
+            box["error"] = e
+
+    loader = threading.Thread(target=load, name="k3serve-load", daemon=True)
+    loader.start()
+    while loader.is_alive() and not stop.wait(0.2):
+        pass
+    if stop.is_set() and loader.is_alive():
+        print("k3serve: stopped while loading", flush=True)
+        server.server.stop(0)
+        metrics.close()
+        os._exit(0)  # the loader thread cannot be interrupted inside XLA
+    if "error" in box:
+        server.server.stop(0)
+        metrics.close()
+        print(f"k3serve: failed to load {path}: {box['error']!r}", file=sys.stderr, flush=True)
+        return 1
+    loop = box["loop"]
+    if not stop.is_set():
         server.set_ready(loop)
         st = loop.stats()
         print(f"k3serve: SERVING {path.name}: max_num_seqs {args.max_num_seqs}, KV {st['max_tokens_in_kv']} tokens "
               f"({st['max_concurrent_slots']} KDA slots), warm-up {st['warmup_s']:.1f}s, "
               f"{st['num_compiles']} programs", flush=True)
-        while not stop.wait(0.5):
-            if loop.error is not None:
-                print(f"k3serve: engine failed: {loop.error!r}", file=sys.stderr, flush=True)
-                server.shutdown(0)
-                return 1
-    except KeyboardInterrupt:
-        pass
+    while not stop.wait(0.5):
+        if loop.error is not None:
+            print(f"k3serve: engine failed: {loop.error!r}", file=sys.stderr, flush=True)
+            server.shutdown(0)
+            return 1
     print("k3serve: shutting down (draining in-flight requests)", flush=True)
     aborted = server.shutdown(args.grace_period)
     metrics.close()
@@ -187,6 +260,16 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group()
     src.add_argument("--model", help="Hugging Face checkpoint directory (K3 or Kimi Linear)")
     src.add_argument("--demo", action="store_true", help="use the embedded demo checkpoint (default)")
+    g.add_argument("text", nargs="?", help="prompt text (with --server; uses the server's tokenizer)")
+    g.add_argument("--server", help="HOST:PORT of a running k3serve: stream from it instead of loading a model")
+    g.add_argument("--ids", help="comma-separated prompt token ids (alias of --prompt-ids)")
+    g.add_argument("--chat", action="store_true", help="with --server: render the text as a user chat turn")
+    g.add_argument("--thinking", action="store_true", help="with --chat: open a think block")
+    g.add_argument("--show-special", action="store_true", help="print control tokens")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--api-key", default=None)
     g.add_argument("--prompt-ids", default="1,2,3,4,5", help="comma-separated prompt token ids")
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -211,11 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--metrics-port", type=int, default=9090, help="Prometheus port (-1: off, 0: any free port)")
     sv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     sv.add_argument("--dequantize-experts", action="store_true")
-    sv.add_argument("--max-num-seqs", type=int, default=8, help="rows per step (concurrent running requests)")
+    sv.add_argument("--max-num-seqs", type=int, default=4, help="rows per step (concurrent running requests)")
     sv.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget per step")
     sv.add_argument("--chunk-size", type=int, default=64, help="longest prefill chunk per row")
     sv.add_argument("--page-size", type=int, default=16)
-    sv.add_argument("--max-model-len", type=int, default=1024)
+    sv.add_argument("--max-model-len", type=int, default=512)
     sv.add_argument("--kv-memory-gb", type=float, default=None, help="KV budget (KDA slots first, then pages)")
     sv.add_argument("--num-pages", type=int, default=None, help="KV budget as a page count")
     sv.add_argument("--sync", action="store_true", help="disable async scheduling")
@@ -223,20 +306,35 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--tls-cert", default=None)
     sv.add_argument("--tls-key", default=None)
     sv.add_argument("--max-message-mb", type=int, default=16, help="largest gRPC message accepted")
+    sv.add_argument("--max-concurrent-rpcs", type=int, default=1024,
+                    help="open RPCs (streams) served at once; more get RESOURCE_EXHAUSTED")
     sv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
     sv.add_argument("--served-model-name", default=None)
     sv.set_defaults(func=cmd_serve)
 
-    b = sub.add_parser("bench", help="benchmarks (offline: engine throughput)",
-                       description="k3serve bench offline [--model DIR|demo] [--concurrency 1,8,32] "
-                                   "[--modes async,sync] [--peer-python PY] ...")
-    b.add_argument("kind", choices=["offline"])
-    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
+    b = sub.add_parser("bench", help="benchmarks: trace replay over gRPC, or 'offline' engine throughput",
+                       description="k3serve bench --server HOST:PORT --trace trace.jsonl [--concurrency N] ... | "
+                                   "k3serve bench offline [--model DIR|demo] [--concurrency 1,8,32] "
+                                   "[--modes async,sync] [--peer-python PY] ...", add_help=False)
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark (--help for its flags)")
     b.set_defaults(func=cmd_bench)
     return p
 
 
+BENCH_USAGE = """usage: k3serve bench --server HOST:PORT --trace T.jsonl [--concurrency N] [--block-size 512] ...
+       k3serve bench offline [--model DIR|demo] [--concurrency 1,8,32] [--modes async,sync] ...
+(each accepts --help for its flags)"""
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        # the benchmarks parse their own flags (argparse's REMAINDER stops at a leading --flag)
+        rest = argv[1:]
+        if not rest or rest[0] in ("-h", "--help"):
+            print(BENCH_USAGE)
+            return 0
+        return cmd_bench(argparse.Namespace(rest=rest))
     args = build_parser().parse_args(argv)
     return args.func(args)
 

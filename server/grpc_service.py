@@ -364,7 +364,7 @@ class _ApiKey(grpc.ServerInterceptor):
 class GrpcServer:
     """A started gRPC server: the scheduler servicer, health and reflection."""
 
-    def __init__(self, servicer: Servicer, *, host: str = "127.0.0.1", port: int = 50051, max_workers: int = 128,
+    def __init__(self, servicer: Servicer, *, host: str = "127.0.0.1", port: int = 50051, max_workers: int = 1032,
                  api_key: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  max_message_bytes: int = 16 << 20):
         self.servicer = servicer
@@ -372,7 +372,7 @@ class GrpcServer:
         opts = [("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes), ("grpc.so_reuseport", 0)]
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="k3-grpc"),
-                                  interceptors=interceptors, options=opts, maximum_concurrent_rpcs=max_workers - 4)
+                                  interceptors=interceptors, options=opts, maximum_concurrent_rpcs=max_workers - 8)
         pb_grpc.add_SglangSchedulerServicer_to_server(servicer, self.server)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -33,3 +33,34 @@ def golden(case: str) -> dict:
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_text_checkpoint(root) -> pathlib.Path:
+    """A 4-layer K3 (vocab 4096) with the demo tokenizer: the smallest model that speaks text.
+
+    Built once under ``root`` (about 3 s); weights are random, so text is gibberish, but every
+    token id, stop and chat marker is real."""
+    from k3serve.checkpoints.synthetic import generate_checkpoint, k3_config
+    from k3serve.tools.train_demo_tokenizer import write_demo_tokenizer
+
+    out = pathlib.Path(root) / "k3-tiny-text"
+    if (out / "tokenizer.json").is_file():
+        return out
+    cfg = k3_config(vocab_size=4096, hidden_size=64, num_hidden_layers=4, full_attn_layers=[4], kda_num_heads=2,
+                    kda_head_dim=32, mla_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                    qk_rope_head_dim=16, v_head_dim=16, num_experts=8, num_experts_per_token=2,
+                    num_shared_experts=1, moe_intermediate_size=32, routed_expert_hidden_size=32,
+                    intermediate_size=128, attn_res_block_size=2)
+    tmp = out.with_name(out.name + ".tmp")
+    generate_checkpoint(tmp, cfg, seed=3)
+    write_demo_tokenizer(tmp)
+    tmp.rename(out)
+    return out

