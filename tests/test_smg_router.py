@@ -4,7 +4,6 @@ streaming and not, must be token-identical to asking our server directly over gR
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import time
 import urllib.request
@@ -13,9 +12,10 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from _util import free_port, tiny_text_checkpoint
+from _util import free_port, tiny_text_checkpoint, tool_path
 
-pytestmark = pytest.mark.skipif(shutil.which("smg") is None, reason="smg (dev extra) is not installed")
+SMG = tool_path("smg")
+pytestmark = pytest.mark.skipif(SMG is None, reason="smg (dev extra) is not installed")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def stack(tmp_path_factory):
     server.set_ready(loop)
     http, prom = free_port(), free_port()
     log = open(tmp_path_factory.mktemp("smg") / "smg.log", "w+")
-    router = subprocess.Popen(["smg", "launch", "--worker-urls", f"grpc://127.0.0.1:{server.port}",
+    router = subprocess.Popen([SMG, "launch", "--worker-urls", f"grpc://127.0.0.1:{server.port}",
                                "--model-path", str(ckpt), "--host", "127.0.0.1", "--port", str(http),
                                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)],
                               stdout=log, stderr=subprocess.STDOUT)
