@@ -1,0 +1,49 @@
+"""Parallelism recipes: parsing, presets, and the checks against a model config."""
+from __future__ import annotations
+
+import pytest
+
+from k3serve.model.config import k3_full, k3_small
+from k3serve.sharding.recipe import PRESETS, Recipe, RecipeError
+
+
+def test_parse_strings_and_presets():
+    r = Recipe.parse("ep=8,tp=4,dcp=32,sp=4")
+    assert (r.ep, r.tp, r.dp, r.dcp, r.sp, r.devices, r.attn_tp) == (8, 4, 1, 32, 4, 32, 32)
+    r = Recipe.parse("ep=8, tp=4, dp=2, dcp=16, sp=4")
+    assert (r.devices, r.attn_group, r.dcp) == (32, 16, 16)
+    assert Recipe.parse("ep=32,tp=1") == Recipe(ep=32)
+    assert Recipe.parse("v7-32-decode-dp2").describe()["spec"] == "ep=8,tp=4,dp=2,dcp=16,sp=4"
+    assert Recipe.parse(None) == Recipe.parse("") == PRESETS["single"]
+    for name, rec in PRESETS.items():  # the canonical string parses back to the same sizes
+        assert Recipe.parse(str(rec)).describe() | {"recipe": name} == rec.describe()
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("ep=8,tp=4,dcp=64", "dcp=64 must divide the attention group of 32"),
+    ("ep=8,tp=4,dp=3", "dp=3 must divide the 32 devices"),
+    ("ep=8,tp=4,dp=2,dcp=32", "dcp=32 must divide the attention group of 16"),
+    ("ep=4,tp=2,sp=3", "sp=3 must divide"),
+    ("ep=8,pp=2", "unknown axis 'pp'"),
+    ("ep=8,ep=4", "ep given twice"),
+    ("ep=0", "ep must be a positive integer"),
+    ("ep8", "cannot parse 'ep8'"),
+])
+def test_parse_errors_are_clear(text, msg):
+    with pytest.raises(RecipeError, match=msg):
+        Recipe.parse(text)
+
+
+def test_presets_fit_the_full_k3_and_checks_name_the_problem():
+    full = k3_full()
+    for name in ("v7-32-decode", "v7-32-decode-dp2", "v7-32-prefill"):
+        PRESETS[name].validate(full, num_devices=32)
+    PRESETS["v7-16-decode"].validate(full, num_devices=16)
+    with pytest.raises(RecipeError, match="needs ep × tp = 32 devices, the mesh has 16"):
+        PRESETS["v7-32-decode"].validate(full, num_devices=16)
+    small = k3_small()  # 4 heads, 16 experts
+    PRESETS["test-4"].validate(small, num_devices=4)
+    with pytest.raises(RecipeError, match=r"KDA heads \(4\) are not divisible by the attention tensor-parallel"):
+        Recipe(ep=8, tp=1).validate(small)
+    with pytest.raises(RecipeError, match=r"routed experts \(16\) are not divisible by ep = 32"):
+        Recipe(ep=32, dp=8).validate(small)
