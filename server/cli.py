@@ -3,6 +3,7 @@
 Subcommands:
   generate   load a checkpoint (or the embedded demo model) and greedy-decode token ids
   info       print a checkpoint's parsed config and parameter count
+  plan       memory per device and max concurrent requests for parallelism recipes
   serve      serve a checkpoint over gRPC (SGLang scheduler protocol, health, reflection)
   bench      ``bench --server HOST:PORT --trace T.jsonl``: replay a Mooncake trace over gRPC
              (server/bench.py); ``bench offline``: engine throughput at several concurrencies
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -252,6 +254,57 @@ def _start_engine(args, path, metrics):
     return loop
 
 
+def param_inventory(cfg, dtype="bfloat16") -> list[tuple[str, tuple[int, ...], int]]:
+    """``(path, shape, itemsize)`` of every parameter of ``cfg``'s model, from abstract shapes."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from ..model import KimiLM
+
+    m = nnx.eval_shape(lambda: KimiLM(cfg, jnp.dtype(dtype)))
+    out = []
+    for path, v in nnx.to_flat_state(nnx.split(m)[1]):
+        a = v.get_value()
+        out.append((".".join(map(str, path)), tuple(a.shape), jnp.dtype(a.dtype).itemsize))
+    return out
+
+
+def cmd_plan(args) -> int:
+    """Memory per device and max concurrency for recipes (the full K3 by default)."""
+    from ..model.config import K3Config, k3_full
+    from ..sharding.memory import plan_memory
+    from ..sharding.recipe import Recipe, RecipeError
+
+    if args.model:
+        cfg = K3Config.from_dict(json.loads((Path(args.model) / "config.json").read_text()))
+        label = args.model
+    else:
+        cfg, label = k3_full(), "Kimi K3 (full release config)"
+    inv = param_inventory(cfg)
+    plans = []
+    for text in args.recipe:
+        try:
+            r = Recipe.parse(text).validate(cfg)
+        except RecipeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        plans.append(plan_memory(cfg, r, inv, context_len=args.context_len, hbm_gb=args.hbm_gb,
+                                 usable_fraction=args.usable_fraction))
+    if args.json:
+        import dataclasses
+
+        print(json.dumps({"model": label, "plans": [dataclasses.asdict(p) for p in plans]}, indent=1))
+        return 0
+    n = sum(math.prod(s) * (2 if p.endswith("_packed") else 0 if p.endswith("_scale") else 1) for p, s, _ in inv)
+    print(f"{label}: {n:,} parameters; HBM {args.hbm_gb:g} GB/device, "
+          f"{args.usable_fraction:.0%} usable; context {args.context_len:,} tokens")
+    rows = [p.rows() for p in plans]
+    width = max(len(k) for k, _ in rows[0])
+    for i in range(len(rows[0])):
+        print(rows[0][i][0].ljust(width), *(r[i][1].rjust(22) for r in rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3serve", description="Kimi K3 inference server (JAX)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -312,6 +365,16 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", default=None)
     sv.set_defaults(func=cmd_serve)
 
+    pl = sub.add_parser("plan", help="memory per device and max concurrency for parallelism recipes")
+    pl.add_argument("--model", help="checkpoint dir (its config.json); default: the full K3 release config")
+    pl.add_argument("--recipe", action="append", default=None,
+                    help="preset or 'ep=8,tp=4,dcp=32,sp=4' (repeat to compare); default: TP-only, DCP32, DP2xDCP16")
+    pl.add_argument("--context-len", type=int, default=131072)
+    pl.add_argument("--hbm-gb", type=float, default=192.0, help="HBM per device (TPU v7: 192)")
+    pl.add_argument("--usable-fraction", type=float, default=0.9)
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plan)
+
     b = sub.add_parser("bench", help="benchmarks: trace replay over gRPC, or 'offline' engine throughput",
                        description="k3serve bench --server HOST:PORT --trace trace.jsonl [--concurrency N] ... | "
                                    "k3serve bench offline [--model DIR|demo] [--concurrency 1,8,32] "
@@ -336,6 +399,8 @@ def main(argv=None) -> int:
             return 0
         return cmd_bench(argparse.Namespace(rest=rest))
     args = build_parser().parse_args(argv)
+    if getattr(args, "func", None) is cmd_plan and not args.recipe:
+        args.recipe = ["ep=8,tp=4", "v7-32-decode", "v7-32-decode-dp2"]
     return args.func(args)
 
 

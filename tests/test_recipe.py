@@ -1,6 +1,8 @@
 """Parallelism recipes: parsing, presets, and the checks against a model config."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from k3serve.model.config import k3_full, k3_small
@@ -47,3 +49,27 @@ def test_presets_fit_the_full_k3_and_checks_name_the_problem():
         Recipe(ep=8, tp=1).validate(small)
     with pytest.raises(RecipeError, match=r"routed experts \(16\) are not divisible by ep = 32"):
         Recipe(ep=32, dp=8).validate(small)
+
+
+def test_memory_plan_full_k3_on_32_chips():
+    from k3serve.server.cli import main, param_inventory
+    from k3serve.sharding.memory import plan_memory, weights_per_device
+
+    full = k3_full()
+    inv = param_inventory(full)
+    tp_only, dcp32, dp2 = (plan_memory(full, PRESETS[n] if n in PRESETS else Recipe.parse(n), inv)
+                           for n in ("ep=8,tp=4", "v7-32-decode", "v7-32-decode-dp2"))
+    assert tp_only.kv_per_token_total == 27_648 and dcp32.kv_per_token_per_device == 27_648 / 32
+    assert dp2.kv_per_token_per_device == 27_648 / 16
+    assert tp_only.kda_state_per_request == 69 * (96 * 128 * 128 + 3 * 3 * 96 * 128) * 4
+    # all weight bytes are accounted for exactly once over the mesh when nothing is replicated...
+    total = sum(math.prod(s) * b for _, s, b in inv)
+    single = weights_per_device(inv, Recipe())
+    assert single == total
+    # ...and the 32-way split puts the experts' share on each chip
+    assert 1.4e12 / 32 < tp_only.weights_per_device < 1.6e12 / 32
+    assert dp2.weights_per_device > dcp32.weights_per_device  # attention copied per DP group
+    assert tp_only.max_concurrent_requests == 33
+    assert dcp32.max_concurrent_requests == 961 and dp2.max_concurrent_requests == 934
+    assert main(["plan", "--recipe", "ep=8,tp=4,dp=3"]) == 2
+

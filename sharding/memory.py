@@ -1,0 +1,97 @@
+"""Memory plan: bytes per device for a config under a recipe, and the concurrency it allows.
+
+Inputs are plain data — the config, a :class:`Recipe`, and an inventory of parameters as
+``(path, shape, itemsize)`` (the caller builds it from the abstract model, so ``sharding/``
+stays below ``model/``). How each parameter is split (the placement this plan assumes;
+the sharding rules of #5 follow it):
+
+* routed experts (``...experts...``, MXFP4 packed bytes and scales): over all devices
+  (``ep`` groups × ``tp`` slices);
+* attention weights (``self_attn``): over the attention group (``devices / dp`` ranks: KDA
+  heads and MLA query heads), one copy per attention DP group;
+* shared experts, the latent down/up projections around the routed experts and the dense
+  MLP: over the attention group (tensor-parallel like attention);
+* embedding and LM head: vocab-parallel over all devices;
+* the rest (norms, router, AttnRes queries, biases): replicated.
+
+Per request, per device: the MLA latent cache is shared by all query heads, so with plain
+attention TP every rank of the group keeps the whole cache of the group's sequences; DCP
+deals a sequence's pages over ``dcp`` ranks, dividing it by ``dcp``. KDA recurrent + conv
+state is split by head over the attention group. Attention DP groups hold disjoint
+requests, so the total concurrency is ``dp`` × what one group holds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .recipe import Recipe
+
+GB = 1e9
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    recipe: str
+    devices: int
+    weights_per_device: float  # bytes
+    kv_per_token_total: int  # bytes of MLA latent cache per token (all MLA layers)
+    kv_per_token_per_device: float  # what one device holds per token of one of its sequences
+    kda_state_per_request: int  # bytes, all KDA layers (state + conv window), whole request
+    kda_state_per_request_per_device: float
+    context_len: int
+    hbm_per_device: float
+    usable_fraction: float
+    per_request_per_device: float  # bytes at context_len
+    max_concurrent_requests: int  # over the whole mesh
+
+    def rows(self) -> list[tuple[str, str]]:
+        return [
+            ("recipe", self.recipe),
+            ("devices", str(self.devices)),
+            ("weights / device", f"{self.weights_per_device / GB:.2f} GB"),
+            ("MLA KV / token (all layers)", f"{self.kv_per_token_total:,} B"),
+            ("MLA KV / token / device", f"{self.kv_per_token_per_device:,.0f} B"),
+            ("KDA state / request", f"{self.kda_state_per_request / 2**20:,.1f} MiB"),
+            ("KDA state / request / device", f"{self.kda_state_per_request_per_device / 2**20:,.2f} MiB"),
+            (f"one request at {self.context_len:,} tokens / device",
+             f"{self.per_request_per_device / GB:.3f} GB"),
+            ("max concurrent requests", f"{self.max_concurrent_requests:,}"),
+        ]
+
+
+def _split(path: str, recipe: Recipe) -> int:
+    p = path.lower()
+    if ".experts." in p or p.endswith(".experts") or "experts.w" in p:
+        if "shared" not in p:
+            return recipe.devices
+    if "self_attn" in p or "shared_expert" in p or ".mlp." in p or "routed_expert_" in p:
+        return recipe.attn_group
+    if "embed_tokens" in p or "lm_head" in p:
+        return recipe.devices
+    return 1
+
+
+def weights_per_device(inventory, recipe: Recipe) -> float:
+    return float(sum(math.prod(shape) * itemsize / _split(path, recipe) for path, shape, itemsize in inventory))
+
+
+def plan_memory(cfg, recipe: Recipe, inventory, *, context_len: int = 131072, hbm_gb: float = 192.0,
+                usable_fraction: float = 0.9, kv_itemsize: int = 2, state_itemsize: int = 4) -> MemoryPlan:
+    """Bytes per device and the max concurrent requests at ``context_len`` tokens each."""
+    n_mla, n_kda = len(cfg.mla_layers), len(cfg.kda_layers)
+    kv_token = n_mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * kv_itemsize
+    kv_token_dev = kv_token / recipe.dcp
+    H, d = cfg.kda_num_heads, cfg.kda_head_dim
+    kda_req = n_kda * (H * d * d + (cfg.conv_kernel_size - 1) * 3 * H * d) * state_itemsize
+    kda_req_dev = kda_req / recipe.attn_group
+    w_dev = weights_per_device(inventory, recipe)
+    hbm = hbm_gb * GB
+    per_req = context_len * kv_token_dev + kda_req_dev
+    free = hbm * usable_fraction - w_dev
+    per_group = max(0, int(free // per_req)) if free > 0 else 0
+    return MemoryPlan(recipe=recipe.name or str(recipe), devices=recipe.devices, weights_per_device=w_dev,
+                      kv_per_token_total=kv_token, kv_per_token_per_device=kv_token_dev,
+                      kda_state_per_request=kda_req, kda_state_per_request_per_device=kda_req_dev,
+                      context_len=context_len, hbm_per_device=hbm, usable_fraction=usable_fraction,
+                      per_request_per_device=per_req, max_concurrent_requests=per_group * recipe.dp)
