@@ -248,7 +248,7 @@ def _start_engine(args, path, metrics):
         dict(num_pages=args.num_pages) if args.num_pages else {})
     eng = Engine(m, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  chunk_size=args.chunk_size, page_size=args.page_size, max_model_len=args.max_model_len,
-                 detokenize=detok, async_scheduling=not args.sync, **kv)
+                 detokenize=detok, async_scheduling=not args.sync, recipe=args.recipe, **kv)
     loop = EngineLoop(eng, on_output=metrics.observe_output)
     metrics.loop = loop
     return loop
@@ -355,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--kv-memory-gb", type=float, default=None, help="KV budget (KDA slots first, then pages)")
     sv.add_argument("--num-pages", type=int, default=None, help="KV budget as a page count")
     sv.add_argument("--sync", action="store_true", help="disable async scheduling")
+    sv.add_argument("--recipe", default=None, help="parallelism recipe: preset or 'ep=8,tp=4,dcp=32,sp=4' "
+                                                    "(default: one device)")
     sv.add_argument("--api-key", default=None, help="require 'authorization: Bearer KEY' metadata")
     sv.add_argument("--tls-cert", default=None)
     sv.add_argument("--tls-key", default=None)

@@ -38,7 +38,7 @@ class Engine:
                  num_pages: int | None = None, max_model_len: int = 2048, max_logprobs: int = 20,
                  warmup: bool = True, detokenize: Callable[[list[int]], str] | None = None,
                  compilation_cache_dir: str | None = None, async_scheduling: bool = True,
-                 page_buckets=None, split_mixed_steps: bool = True):
+                 page_buckets=None, split_mixed_steps: bool = True, recipe=None, devices=None):
         cfg = model.config
         if compilation_cache_dir:
             import jax
@@ -46,6 +46,17 @@ class Engine:
             jax.config.update("jax_compilation_cache_dir", str(compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         self.model = model
+        self.recipe = self.mesh = None
+        if recipe is not None:  # place the parameters on a mesh (sharding/ recipes)
+            import jax
+
+            from ..sharding.mesh import build_mesh, shard_params
+            from ..sharding.recipe import Recipe
+
+            devs = list(jax.devices() if devices is None else devices)
+            self.recipe = Recipe.parse(recipe).validate(cfg, num_devices=len(devs))
+            self.mesh = build_mesh(self.recipe, devs)
+            model.params = shard_params(model.params, self.mesh)
         self.max_model_len = max_model_len
         self.detokenize = detokenize
         self.async_scheduling = async_scheduling
