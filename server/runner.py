@@ -222,10 +222,6 @@ class Runner:
                                                    sinp, *prev_pair, jnp.asarray(from_prev), jnp.asarray(pend_pos))
         return out, full
 
-    def execute(self, rows):
-        """Run one step synchronously; the host-side sample outputs."""
-        return self.launch(rows).result()
-
     def _suppress(self, req) -> list[int]:
         p = req.params
         if req.num_generated >= p.min_new_tokens:
