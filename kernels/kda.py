@@ -45,6 +45,30 @@ def kda_recurrent(q, k, v, g, beta, state):
     return jnp.moveaxis(o, 0, T_axis), S
 
 
+def unit_lower_solve(A, *rhs):
+    """Solve ``(I + A) X = R`` for each ``R`` in ``rhs`` ([..., C, d]), A [..., C, C] strictly lower.
+
+    Forward substitution, one row per loop step (row t needs rows < t, which are final by
+    then). Written out instead of ``solve_triangular``: on CPU that lowers to LAPACK trsm,
+    whose batched FFI kernel splits work onto the shared intra-op thread pool and blocks on
+    it — with several virtual devices running the step at once every pool thread ended up
+    waiting and the step never finished (seen with 32 KDA heads per chunk on a 2-core box).
+    """
+    R = jnp.concatenate(rhs, axis=-1)
+    C = A.shape[-1]
+
+    def row(t, X):
+        xt = R[..., t, :] - jnp.einsum("...j,...jd->...d", A[..., t, :], X)
+        return X.at[..., t, :].set(xt)
+
+    X = jax.lax.fori_loop(1, C, row, R)
+    out, o = [], 0
+    for r in rhs:
+        out.append(X[..., o : o + r.shape[-1]])
+        o += r.shape[-1]
+    return out
+
+
 def kda_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
     """Chunked KDA; same contract as kda_recurrent. Inputs [B, T, H, *]; state [B, H, dk, dv]."""
     f32 = jnp.float32
@@ -79,12 +103,9 @@ def kda_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
         P = pairwise(Gi)
         A = jnp.einsum("bhtd,bhjd,bhtjd->bhtj", ki, ki, P) * bi[..., :, None]
         A = jnp.where(strict, A, 0.0)
-        eye = jnp.eye(C, dtype=f32)
         rhs_v = vi * bi[..., None]
         rhs_k = ki * jnp.exp(Gi) * bi[..., None]
-        Tm = eye + A
-        u0 = jax.scipy.linalg.solve_triangular(Tm, rhs_v, lower=True, unit_diagonal=True)
-        w = jax.scipy.linalg.solve_triangular(Tm, rhs_k, lower=True, unit_diagonal=True)
+        u0, w = unit_lower_solve(A, rhs_v, rhs_k)
         U = u0 - jnp.einsum("bhtd,bhdv->bhtv", w, S)
         Aqk = jnp.einsum("bhtd,bhjd,bhtjd->bhtj", qi, ki, P)  # zero above the diagonal via P
         o = jnp.einsum("bhtd,bhdv->bhtv", qi * jnp.exp(Gi), S) + jnp.einsum("bhtj,bhjv->bhtv", Aqk, U)

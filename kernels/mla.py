@@ -32,32 +32,62 @@ def write_kv_pages(kv_pages, rows, page_table, positions, valid, layer=None):
     return kv_pages.at[page_idx, off].set(rows.astype(kv_pages.dtype), mode="drop")
 
 
-def mla_paged_attention(q_lat, q_rope, kv_pages, page_table, q_positions, kv_lens, scale, latent_dim, layer=None):
+def mla_paged_attention(q_lat, q_rope, kv_pages, page_table, q_positions, kv_lens, scale, latent_dim, layer=None,
+                        page_ordinals=None, return_lse=False):
     """Reference paged MLA attention (absorbed form).
 
     q_lat   [B, T, H, latent_dim]   (q_nope absorbed through W_UK)
     q_rope  [B, T, H, R]
     kv_pages [num_pages, page_size, latent_dim + R]
-    page_table [B, max_pages] int32; q_positions [B, T] absolute positions of the queries;
+    page_table [B, J] int32; q_positions [B, T] absolute positions of the queries;
     kv_lens [B]: number of valid cached tokens of each row (including this step's).
-    Returns out_lat [B, T, H, latent_dim] in float32 (softmax and sums in fp32).
+    ``page_ordinals`` [J] or [B, J] (default ``0..J-1``): which page of the sequence each table
+    column is — under decode context parallelism a rank holds only every N-th page of a
+    sequence and attends over those alone. A column whose page id is out of range
+    (``>= num_pages`` or negative) is skipped.
+    Returns out_lat [B, T, H, latent_dim] in float32 (softmax and sums in fp32), and with
+    ``return_lse`` also the log-sum-exp of the scores [B, T, H] (``-inf`` where the query saw
+    no key here): what :func:`merge_partials` needs to combine ranks exactly.
     """
     B, T, H, _ = q_lat.shape
     num_pages, page_size, W = kv_pages.shape[-3:]
-    kv = kv_pages[page_table] if layer is None else kv_pages[layer, page_table]  # [B, max_pages, page_size, W]
-    S = kv.shape[1] * page_size
+    J = page_table.shape[1]
+    ordinals = jnp.arange(J, dtype=jnp.int32) if page_ordinals is None else page_ordinals
+    ordinals = jnp.broadcast_to(ordinals, (B, J)) if ordinals.ndim == 2 else jnp.broadcast_to(ordinals[None], (1, J))
+    present = (page_table >= 0) & (page_table < num_pages)  # [B, J]
+    ids = jnp.clip(page_table, 0, num_pages - 1)
+    kv = kv_pages[ids] if layer is None else kv_pages[layer, ids]  # [B, J, page_size, W]
+    S = J * page_size
     kv = kv.reshape(B, S, W).astype(jnp.float32)
     c, kr = kv[..., :latent_dim], kv[..., latent_dim:]
     scores = jnp.einsum("bthl,bsl->bths", q_lat.astype(jnp.float32), c) + jnp.einsum(
         "bthr,bsr->bths", q_rope.astype(jnp.float32), kr
     )
     scores = scores * scale
-    kpos = jnp.arange(S)
-    mask = (kpos[None, None, :] <= q_positions[:, :, None]) & (kpos[None, None, :] < kv_lens[:, None, None])
+    kpos = (ordinals[..., None] * page_size + jnp.arange(page_size)).reshape(-1, S)[:, None, :]  # [B|1, 1, S]
+    kpresent = jnp.repeat(present, page_size, axis=1)  # [B, S]
+    mask = ((kpos <= q_positions[:, :, None]) & (kpos < kv_lens[:, None, None]) & kpresent[:, None, :])
     scores = jnp.where(mask[:, :, None, :], scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # fully-masked (padding) queries give zeros, not NaN
     p = jnp.exp(scores - m)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
-    return jnp.einsum("bths,bsl->bthl", p, c)
+    out = jnp.einsum("bths,bsl->bthl", p / jnp.where(denom > 0, denom, 1.0), c)
+    if not return_lse:
+        return out
+    lse = jnp.where(denom[..., 0] > 0, m[..., 0] + jnp.log(jnp.where(denom[..., 0] > 0, denom[..., 0], 1.0)), -jnp.inf)
+    return out, lse
+
+
+def merge_partials(outs, lses):
+    """Exact online-softmax merge of partial attentions over disjoint key sets.
+
+    outs [N, ..., D] (each normalised over its own keys), lses [N, ...]; returns [..., D].
+    ``sum_i exp(lse_i - M) out_i / sum_i exp(lse_i - M)`` with ``M = max_i lse_i``; parts
+    with ``lse = -inf`` (no keys) weigh 0; a query with no keys anywhere gives zeros.
+    """
+    M = jnp.max(lses, axis=0)
+    M = jnp.where(jnp.isfinite(M), M, 0.0)
+    w = jnp.exp(lses - M)
+    den = jnp.sum(w, axis=0)
+    return jnp.sum(outs * w[..., None], axis=0) / jnp.where(den > 0, den, 1.0)[..., None]

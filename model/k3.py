@@ -39,9 +39,9 @@ class DecoderLayer(nnx.Module):
             self.self_attention_res = AttnResWeights(D, dtype)
             self.mlp_res = AttnResWeights(D, dtype)
 
-    def ffn(self, x, aux):
+    def ffn(self, x, aux, par=None):
         if self.is_moe:
-            return self.block_sparse_moe(x, aux)
+            return self.block_sparse_moe(x, aux, par)
         return self.mlp(x)
 
 
@@ -57,7 +57,7 @@ class KimiLM(nnx.Module):
             self.output_attn_res = AttnResWeights(D, dtype)
         self.lm_head = Linear(D, cfg.vocab_size, dtype, ("vocab", "embed"))
 
-    def __call__(self, batch: StepBatch, cache: Cache, capture: bool = False):
+    def __call__(self, batch: StepBatch, cache: Cache, capture: bool = False, par=None):
         cfg = self.cfg
         ids = batch.input_ids
         B, T = ids.shape
@@ -80,12 +80,17 @@ class KimiLM(nnx.Module):
         # weight dtype; sublayers read it normalised and cast to the compute dtype.
         # KDA rows are gathered once for all layers and scattered back once at the end: a
         # per-layer scatter into the pool makes XLA copy the whole pool per layer
+        take = (lambda pool: pool[:, slots]) if par is None else (lambda pool: par.take_slots(pool, slots))
         if kda_idx:
-            conv_rows = jnp.where(fresh[None, :, None, None], 0.0, kda_conv[:, slots])
-            state_rows = jnp.where(fresh[None, :, None, None, None], 0.0, kda_state[:, slots])
+            conv_rows = jnp.where(fresh[None, :, None, None], 0.0, take(kda_conv))
+            state_rows = jnp.where(fresh[None, :, None, None, None], 0.0, take(kda_state))
         conv_out, state_out = [], []
 
-        h = jnp.take(self.embed_tokens[...], ids, axis=0).astype(jnp.float32)
+        # under a recipe, ``par`` (sharding.parallel.StepParallel) runs the ops that need
+        # collectives; scatter/gather mark where sequence parallelism splits the rows
+        scatter = (lambda v: v) if par is None else par.sp_scatter
+        gather = (lambda v: v) if par is None else par.sp_gather
+        h = scatter(jnp.take(self.embed_tokens[...], ids, axis=0).astype(jnp.float32))
         cdt = self.dtype
         if rec is not None:
             rec["embed"] = h
@@ -102,7 +107,7 @@ class KimiLM(nnx.Module):
                     p = None
             else:
                 x = p
-            a_in = layer.input_layernorm(x).astype(cdt)
+            a_in = gather(layer.input_layernorm(x).astype(cdt))
             if layer.kind == "kda":
                 j = kda_idx[l]
                 out, new_conv, new_state = layer.self_attn(a_in, conv_rows[j], state_rows[j], valid, batch.seq_lens, aux)
@@ -112,26 +117,30 @@ class KimiLM(nnx.Module):
                 j = mla_idx[l]
                 # the whole pool goes in with the layer index, so the row scatter and the page
                 # gather touch only the pages named, never a copy of the layer's pool
-                out, mla_kv, rows = layer.self_attn(a_in, mla_kv, j, batch.page_table, positions, valid, kv_lens)
+                out, mla_kv, rows = layer.self_attn(a_in, mla_kv, j, batch.page_table, positions, valid, kv_lens,
+                                                    par=par)
                 if aux is not None:
                     aux["mla_rows"] = rows
+            out = scatter(out)
             if cfg.uses_attn_res:
                 p = out if p is None else p + out
                 y = attn_res(bank, p, layer.mlp_res, eps)
             else:
                 p = x + out
                 y = p
-            f = layer.ffn(layer.post_attention_layernorm(y).astype(cdt), aux)
+            f = scatter(layer.ffn(gather(layer.post_attention_layernorm(y).astype(cdt)), aux, par))
             p = p + f
             if aux is not None:
                 aux.update(attn_in=x, attn_out=out, mlp_in=y, mlp_out=f, prefix_sum=p, num_blocks=len(bank))
                 layer_aux.append(aux)
 
         if kda_idx:
-            kda_conv = kda_conv.at[:, slots].set(jnp.stack(conv_out))
-            kda_state = kda_state.at[:, slots].set(jnp.stack(state_out))
+            put = (lambda pool, v: pool.at[:, slots].set(v)) if par is None else \
+                (lambda pool, v: par.put_slots(pool, slots, v))
+            kda_conv = put(kda_conv, jnp.stack(conv_out))
+            kda_state = put(kda_state, jnp.stack(state_out))
         out = attn_res(bank, p, self.output_attn_res, eps) if cfg.uses_attn_res else p
-        normed = self.norm(out).astype(cdt)
+        normed = gather(self.norm(out).astype(cdt))
         logits = jnp.einsum("btd,vd->btv", normed, self.lm_head.weight[...].astype(normed.dtype),
                             preferred_element_type=jnp.float32)
         new_cache = Cache(kda_state=kda_state, kda_conv=kda_conv, mla_kv=mla_kv)

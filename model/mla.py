@@ -46,7 +46,7 @@ class MLA(nnx.Module):
         c, kr = ckv[..., : self.cfg.kv_lora_rank], ckv[..., self.cfg.kv_lora_rank :]
         return jnp.concatenate([self.kv_a_layernorm(c), kr], axis=-1)
 
-    def __call__(self, x, kv_pool, layer, page_table, positions, valid, kv_lens):
+    def __call__(self, x, kv_pool, layer, page_table, positions, valid, kv_lens, par=None):
         """kv_pool [nMLA, pages, page_size, W]; ``layer`` indexes this layer's pool."""
         cfg = self.cfg
         B, T, _ = x.shape
@@ -54,14 +54,18 @@ class MLA(nnx.Module):
         q = self.query(x).reshape(B, T, H, nope + R)
         q_nope, q_rope = q[..., :nope], q[..., nope:]
         rows = self.latent_rows(x)
-        kv_pool = ops.write_kv_pages(kv_pool, rows, page_table, positions, valid, layer=layer)
 
         wkv = self.kv_b_proj.weight[...].reshape(H, nope + dv, Lr)
         w_uk, w_uv = wkv[:, :nope], wkv[:, nope:]
         q_lat = jnp.einsum("bthn,hnl->bthl", q_nope.astype(F32), w_uk.astype(F32))
-        out_lat = ops.mla_paged_attention(
-            q_lat, q_rope, kv_pool, page_table, positions, kv_lens, cfg.qk_head_dim ** -0.5, Lr, layer=layer
-        )
+        scale = cfg.qk_head_dim ** -0.5
+        if par is None:
+            kv_pool = ops.write_kv_pages(kv_pool, rows, page_table, positions, valid, layer=layer)
+            out_lat = ops.mla_paged_attention(q_lat, q_rope, kv_pool, page_table, positions, kv_lens, scale, Lr,
+                                              layer=layer)
+        else:  # decode context parallelism / attention DP (sharding.parallel)
+            kv_pool, out_lat = par.mla_attention(q_lat, q_rope, rows, kv_pool, layer, page_table, positions, valid,
+                                                 kv_lens, scale, Lr)
         o = jnp.einsum("bthl,hvl->bthv", out_lat, w_uv.astype(F32)).reshape(B, T, H * dv)
         if cfg.mla_output_gate:
             o = o * jax.nn.sigmoid(self.g_proj(x).astype(F32))

@@ -75,7 +75,7 @@ class MoE(nnx.Module):
             self.shared_experts = GatedMLP(cfg, D, cfg.moe_intermediate_size * cfg.num_shared_experts, dtype)
         self.act = gated_act(cfg)
 
-    def __call__(self, x, aux=None):
+    def __call__(self, x, aux=None, par=None):
         cfg = self.cfg
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
@@ -86,7 +86,8 @@ class MoE(nnx.Module):
             aux["router_topk_weight"] = w.reshape(*shape[:-1], -1)
         z = self.routed_expert_down_proj(xf) if cfg.latent_moe else xf
         compute = jnp.float32 if x.dtype == jnp.float32 else x.dtype
-        r = ops.expert_ffn(z, idx, w, self.experts.weight("w1"), self.experts.weight("w2"),
+        ffn = ops.expert_ffn if par is None else par.expert_ffn
+        r = ffn(z, idx, w, self.experts.weight("w1"), self.experts.weight("w2"),
                            self.experts.weight("w3"), self.act, cfg.num_experts, compute).astype(x.dtype)
         if cfg.latent_moe:
             if cfg.latent_moe_use_norm:

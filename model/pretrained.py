@@ -123,8 +123,11 @@ class KimiModel:
 
 
 def load_pretrained(path: str | os.PathLike, dtype="float32", *, dequantize_experts: bool = False,
-                    page_size: int = 16) -> KimiModel:
-    """Load a Hugging Face K3 or Kimi Linear checkpoint directory (chosen by config.json)."""
+                    page_size: int = 16, placement=None) -> KimiModel:
+    """Load a Hugging Face K3 or Kimi Linear checkpoint directory (chosen by config.json).
+
+    ``placement(param_path, shape) -> Sharding | None`` (e.g. ``sharding.mesh.placement_for``)
+    loads each parameter straight into its shards: every device receives only its slice."""
     from ..checkpoints.safetensors_io import open_checkpoint  # the file reader lives in checkpoints/
 
     dt = resolve_dtype(dtype)
@@ -134,5 +137,5 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, dequantize_expe
         module = nnx.eval_shape(lambda: KimiLM(model_cfg, dt))
         tensors = ((n, (lambda n=n: ckpt.get(n)), ckpt.shape(n)) for n in ckpt.keys())
         load_weights(module, model_cfg, tensors, ckpt_cfg=cfg, dequantize_experts=dequantize_experts,
-                     source=str(path))
+                     source=str(path), placement=placement)
     return KimiModel(module, model_cfg, dt, page_size=page_size)

@@ -6,6 +6,14 @@ parameter ``[E, ...]`` (a buffer of the final size; never a second copy of the m
 MXFP4 experts stay packed unless ``dequantize_experts`` is asked for, in which case each
 expert is decoded into the dense stack as soon as both its bytes and its scales are in.
 
+With a ``placement`` callable ``(param_path, shape) -> Sharding | None`` a parameter that gets
+a sharding is created slice by slice (``jax.make_array_from_callback``): each device receives
+only its own slice of the host tensor, converted to the parameter dtype per slice; nothing
+puts a whole sharded parameter on one device. Expert stacks are still gathered on the host
+first and placed the same way once every expert is in. ``param_path`` is the dot-joined NNX
+path of the parameter (``layers.1.block_sparse_moe.experts.w1_packed``), the same string
+``sharding.mesh`` derives from ``nnx.split(module)[1]``.
+
 Unknown, missing and mis-shaped tensors are errors that name the tensor.
 """
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import re
 from typing import Callable, Iterable
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
@@ -201,12 +210,21 @@ def _all_params(model) -> dict[str, nnx.Variable]:
     return out
 
 
+def _placed(host: np.ndarray, shape: tuple, dtype, sharding) -> jax.Array:
+    """``host`` as a global array on ``sharding``, built from per-device slices only."""
+    return jax.make_array_from_callback(shape, sharding, lambda index: np.asarray(host[index]).astype(dtype),
+                                        dtype=dtype)
+
+
 def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarray], tuple]], *,
-                 ckpt_cfg=None, dequantize_experts: bool = False, source: str = "checkpoint") -> None:
+                 ckpt_cfg=None, dequantize_experts: bool = False, source: str = "checkpoint",
+                 placement: Callable[[str, tuple], "jax.sharding.Sharding | None"] | None = None) -> None:
     """Fill ``model``'s parameters from ``(name, read_fn, shape)`` triples, one at a time.
 
     ``model`` may be abstract (``nnx.eval_shape``): every parameter is replaced. ``ckpt_cfg``
     describes the checkpoint when it differs from the model's (dequantize-at-load).
+    ``placement(param_path, shape)`` may name a sharding per parameter (see the module doc);
+    ``None`` from it, or no ``placement``, puts the parameter whole on the default device.
     """
     E = cfg.num_experts
     staged: dict[int, tuple[np.ndarray, list]] = {}  # id(var) -> (stack buffer, filled flags)
@@ -215,6 +233,9 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
     params = _all_params(model)
     by_id = {id(v): k for k, v in params.items()}
 
+    def sharding_of(var, shape: tuple):
+        return None if placement is None else placement(by_id[id(var)], shape)
+
     def place(tgt: _Target, arr: np.ndarray, name: str):
         var = tgt.var
         cur = var.get_value()
@@ -222,7 +243,11 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
         if tgt.expert is None:
             if arr.shape != shape:
                 raise CheckpointError(f"{source}: tensor {name!r} has shape {list(arr.shape)}, expected {list(shape)}")
-            var.set_value(jnp.asarray(arr.astype(dtype)))
+            sharding = sharding_of(var, shape)
+            if sharding is None:
+                var.set_value(jnp.asarray(arr.astype(dtype)))
+            else:
+                var.set_value(_placed(arr, shape, dtype, sharding))
             done.add(id(var))
             return
         row_shape = shape[1:]
@@ -234,7 +259,8 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
         buf[tgt.expert] = arr.astype(dtype)
         filled[tgt.expert] = True
         if all(filled):
-            var.set_value(jnp.asarray(buf))
+            sharding = sharding_of(var, shape)
+            var.set_value(jnp.asarray(buf) if sharding is None else _placed(buf, shape, dtype, sharding))
             del staged[id(var)]
             done.add(id(var))
 
@@ -286,7 +312,11 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
         more = f" (and {len(absent) - 10} more)" if len(absent) > 10 else ""
         raise CheckpointError(f"{source}: missing tensors: {', '.join(absent[:10])}{more}")
     if cfg.tie_word_embeddings and "lm_head.weight" not in seen_stripped:
-        model.lm_head.weight.set_value(model.embed_tokens.get_value())
+        emb = model.embed_tokens.get_value()
+        sharding = sharding_of(model.lm_head.weight, tuple(emb.shape))
+        if sharding is not None and emb.sharding != sharding:  # device to device, slice by slice
+            emb = jax.device_put(emb, sharding)
+        model.lm_head.weight.set_value(emb)
         done.add(id(model.lm_head.weight))
     missing = sorted(by_id[i] for i in set(by_id) - done)
     if missing or pending_mx:

@@ -233,8 +233,11 @@ def _start_engine(args, path, metrics):
     from ..model import load_pretrained
     from .engine import Engine
     from .engine_loop import EngineLoop
+    from .llm import recipe_placement
 
-    m = load_pretrained(path, dtype=args.dtype, dequantize_experts=args.dequantize_experts)
+    # with a recipe: mesh first, then every parameter loaded straight into its shards
+    m = load_pretrained(path, dtype=args.dtype, dequantize_experts=args.dequantize_experts,
+                        placement=recipe_placement(path, args.recipe))
     detok = None
     try:
         from .tokenizer import load_tokenizer

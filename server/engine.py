@@ -46,7 +46,7 @@ class Engine:
             jax.config.update("jax_compilation_cache_dir", str(compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         self.model = model
-        self.recipe = self.mesh = None
+        self.recipe = self.mesh = self.par = None
         if recipe is not None:  # place the parameters on a mesh (sharding/ recipes)
             import jax
 
@@ -57,22 +57,35 @@ class Engine:
             self.recipe = Recipe.parse(recipe).validate(cfg, num_devices=len(devs))
             self.mesh = build_mesh(self.recipe, devs)
             model.params = shard_params(model.params, self.mesh)
+            from ..sharding.parallel import StepParallel
+
+            self.par = StepParallel(self.recipe, self.mesh)
+        dp, dcp = (self.recipe.dp, self.recipe.dcp) if self.recipe is not None else (1, 1)
         self.max_model_len = max_model_len
         self.detokenize = detokenize
         self.async_scheduling = async_scheduling
         self._inflight = None  # the launched step whose results are not processed yet
         if kv_memory_bytes is None and num_pages is None:
             num_pages = max_num_seqs * -(-max_model_len // page_size)
+            num_pages = -(-num_pages // (dp * dcp)) * dp * dcp  # whole blocks per DP group / DCP rank
         self.plan = plan_capacity(cfg, page_size=page_size, dtype=model.dtype, kv_memory_bytes=kv_memory_bytes,
-                                  max_num_seqs=max_num_seqs, num_pages=num_pages)
-        self.cache = CacheManager(cfg, self.plan, model.dtype)
+                                  max_num_seqs=max_num_seqs, num_pages=num_pages, dp=dp, dcp=dcp)
+        self.cache = CacheManager(cfg, self.plan, model.dtype, allocate=self.par is None)
+        if self.par is not None:  # allocated straight into its shards
+            import jax
+
+            from ..model.cache import Cache, allocate_cache
+
+            p = self.plan
+            self.cache.cache = jax.jit(lambda: allocate_cache(cfg, p.num_slots, p.num_pages, p.page_size, model.dtype),
+                                       out_shardings=Cache(**self.par.cache_shardings(cfg.kda_num_heads)))()
         chunk_size = min(chunk_size, max_num_batched_tokens)
         self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, chunk_size=chunk_size,
                                    max_model_len=max_model_len)
         self.runner = Runner(model, self.cache, max_num_seqs=max_num_seqs, chunk_size=chunk_size,
                              max_model_len=max_model_len, max_logprobs=max_logprobs,
-                             page_buckets=page_buckets, split_mixed=split_mixed_steps)
+                             page_buckets=page_buckets, split_mixed=split_mixed_steps, par=self.par)
         self.requests: dict[str, Request] = {}
         self.warmup_s = 0.0
         self.num_steps = 0
@@ -105,9 +118,9 @@ class Engine:
         if params.max_new_tokens > self.max_model_len:
             raise OutOfRangeError(f"max_new_tokens {params.max_new_tokens} exceeds max_model_len {self.max_model_len}")
         total = min(len(ids) + params.max_new_tokens, self.max_model_len)  # generation stops at max_model_len
-        if total > self.plan.max_tokens_in_kv:
+        if total > self.plan.max_tokens_per_request:
             raise CapacityError(f"prompt + max_new_tokens = {total} tokens exceeds the KV capacity "
-                                f"({self.plan.max_tokens_in_kv} tokens)")
+                                f"({self.plan.max_tokens_per_request} tokens)")
         if rid is not None and rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(31)

@@ -248,7 +248,7 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
             "max_total_num_tokens": st["max_tokens_in_kv"], "max_prefill_tokens": eng.scheduler.max_num_batched_tokens,
             "chunked_prefill_size": eng.scheduler.chunk_size, "page_size": eng.plan.page_size,
             "context_length": eng.max_model_len, "pp_size": 1,
-            "dcp_size": 1, **_parallel_sizes(eng.recipe),  # DCP and SP are not active yet (#5)
+            **_parallel_sizes(eng.recipe),
             "disaggregation_mode": "null", "dtype": str(eng.model.dtype),
             "recipe": str(eng.recipe) if eng.recipe is not None else "single",
             **self.server_args,
@@ -323,9 +323,9 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
 
 def _parallel_sizes(recipe) -> dict:
     if recipe is None:
-        return {"tp_size": 1, "dp_size": 1, "ep_size": 1}
+        return {"tp_size": 1, "dp_size": 1, "ep_size": 1, "dcp_size": 1}
     return {"tp_size": recipe.attn_tp, "dp_size": recipe.dp, "ep_size": recipe.ep, "moe_tp_size": recipe.tp,
-            "sp_size": recipe.sp}
+            "dcp_size": recipe.dcp, "sp_size": recipe.sp}
 
 
 def _int_or(v, default):

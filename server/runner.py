@@ -8,6 +8,12 @@ the attention reads) to a few widths growing 4x up to ``ceil(max_model_len / pag
 fixed at ``max_model_len``. Padding rows carry no tokens and point at the
 scratch KDA slot, so they change nothing. The cache is donated to each call.
 
+Attention DP (a recipe with ``dp > 1``): the rows of a step are laid out by DP group — group
+g's rows in block g of ``B = dp * Bg`` rows (``Bg`` the group row bucket), its padding rows on
+its own scratch slot — because the step splits rows over the mesh's ``"dp"`` axis and each
+group's rows may name only that group's slots and pages. ``par`` (the recipe's
+``sharding.parallel.StepParallel``) goes into the model call.
+
 ``num_compiles`` counts traces of the step function (a trace is what triggers a compile).
 
 ``launch`` only dispatches: it returns an :class:`InFlight` whose results stay on the device
@@ -71,7 +77,7 @@ class InFlight:
 
     step: int
     rows: list
-    parts: list  # [(row positions in plan order, SampleOutput on device)]
+    parts: list  # [(plan row numbers, their rows in the part's batch, SampleOutput on device)]
     tokens: tuple  # (i32[max_rows], i32[max_rows]): sampled tokens of part 0 / part 1 by row
     index: list[int]
     runner: "Runner"
@@ -81,15 +87,15 @@ class InFlight:
         """Block until the step is done; the sampled tokens / logprobs on the host."""
         if self._host is None:
             t = time.perf_counter()
-            got = jax.device_get([o for _, o in self.parts])
+            got = jax.device_get([o for _, _, o in self.parts])
             self.runner.wait_s += time.perf_counter() - t
             n = len(self.rows)
             fields = {}
             for name in ("tokens", "logprob", "top_ids", "top_logprobs"):
                 first = getattr(got[0], name)
                 arr = np.zeros((n,) + first.shape[1:], first.dtype)
-                for (pos, _), o in zip(self.parts, got):
-                    arr[pos] = getattr(o, name)[: len(pos)]
+                for (pos, at, _), o in zip(self.parts, got):
+                    arr[pos] = getattr(o, name)[at]
                 fields[name] = arr
             self._host = HostSample(**fields)
         return self._host
@@ -97,11 +103,14 @@ class InFlight:
 
 class Runner:
     def __init__(self, model, cache_mgr, *, max_num_seqs: int, chunk_size: int, max_model_len: int,
-                 max_logprobs: int = 20, scratch_slot: int = 0, page_buckets=None, split_mixed: bool = True):
+                 max_logprobs: int = 20, page_buckets=None, split_mixed: bool = True, par=None):
         self.model = model
         self.cache_mgr = cache_mgr
         self.page_size = cache_mgr.plan.page_size
-        self.row_buckets = _pow2_buckets(max_num_seqs)
+        self.par = par
+        self.dp = dp = par.dp if par is not None else 1
+        self.group_buckets = _pow2_buckets(-(-max_num_seqs // dp))  # rows per DP group
+        self.row_buckets = [dp * b for b in self.group_buckets]
         self.tok_buckets = sorted({1, chunk_size})
         self.page_width = math.ceil(max_model_len / self.page_size)
         pb = sorted({min(int(b), self.page_width) for b in page_buckets}) if page_buckets else \
@@ -112,7 +121,6 @@ class Runner:
         self.shapes_used: set[tuple[int, int, int]] = set()  # (rows, tokens, pages) launched
         self.hist_len = max_model_len
         self.max_logprobs = max_logprobs
-        self.scratch = scratch_slot
         self.max_rows = self.row_buckets[-1]
         self.split_mixed = split_mixed
         self._compiled: dict = {}  # (rows, tokens, pages) -> AOT-compiled step (warm-up)
@@ -135,7 +143,7 @@ class Runner:
             lo = sinp.output_ids.shape[1]
             hit = has_prev[:, None] & (jnp.arange(lo)[None, :] == pend_pos[:, None])
             sinp = dataclasses.replace(sinp, output_ids=jnp.where(hit, prev[:, None], sinp.output_ids))
-            logits, cache = nnx.merge(graphdef, params)(batch, cache)
+            logits, cache = nnx.merge(graphdef, params)(batch, cache, par=par)
             rows = logits[jnp.arange(logits.shape[0]), last_idx]
             out = sample(rows, sinp, max_logprobs)
             B = out.tokens.shape[0]
@@ -173,18 +181,35 @@ class Runner:
                     self.num_split_steps += 1
         parts, outs, index = [], [], [0] * len(rows)
         for g, pos in enumerate(groups):
-            out, full = self._launch_part([rows[i] for i in pos], prev, prev_pair)
-            parts.append((np.asarray(pos), out))
+            out, full, at = self._launch_part([rows[i] for i in pos], prev, prev_pair)
+            parts.append((np.asarray(pos), at, out))
             outs.append(full)
             for j, i in enumerate(pos):
-                index[i] = g * self.max_rows + j
+                index[i] = g * self.max_rows + int(at[j])
         tokens = (outs[0], outs[1] if len(outs) > 1 else self._zero_prev)
         self.num_steps += 1
         self.launch_s += time.perf_counter() - t
         return InFlight(self.num_steps, list(rows), parts, tokens, index, self)
 
+    def _layout(self, rows):
+        """(B, each row's position in the batch): rows of DP group g in block g of B / dp rows."""
+        if self.dp == 1:
+            return self._bucket(len(rows), self.row_buckets), np.arange(len(rows))
+        groups = [self.cache_mgr.group_of(r.req.rid) for r in rows]
+        Bg = self._bucket(max(groups.count(g) for g in range(self.dp)), self.group_buckets)
+        at, seen = np.zeros(len(rows), np.int64), [0] * self.dp
+        for i, g in enumerate(groups):
+            at[i] = g * Bg + seen[g]
+            seen[g] += 1
+        return self.dp * Bg, at
+
+    def _scratch_slots(self, B: int) -> np.ndarray:
+        """Each padding row on the scratch slot of the DP group its batch block belongs to."""
+        Bg = B // self.dp
+        return np.asarray([self.cache_mgr.scratch_slot(i // Bg) for i in range(B)], np.int32)
+
     def _launch_part(self, rows, prev, prev_pair):
-        B = self._bucket(len(rows), self.row_buckets)
+        B, at = self._layout(rows)
         T = self._bucket(max(r.num_tokens for r in rows), self.tok_buckets)
         need = max(-(-(r.start + r.num_tokens) // self.page_size) for r in rows)
         P = self._bucket(max(need, self._min_pages(T)), self.page_buckets)  # a shape warm-up compiled
@@ -192,12 +217,13 @@ class Runner:
         tok = np.zeros((B, T), np.int32)
         start = np.zeros(B, np.int32)
         lens = np.zeros(B, np.int32)
-        slots = np.full(B, self.scratch, np.int32)
+        slots = self._scratch_slots(B)
         table = np.zeros((B, P), np.int32)
         last = np.zeros(B, np.int32)
         from_prev = np.full(B, -1, np.int32)
         pend_pos = np.zeros(B, np.int32)
-        for i, r in enumerate(rows):
+        for k, r in enumerate(rows):
+            i = at[k]
             req = r.req
             known = req.num_known
             if r.start + r.num_tokens > known:  # the input token is the previous step's sample
@@ -212,15 +238,25 @@ class Runner:
             slots[i] = self.cache_mgr.slot_of(req.rid)
             table[i] = self.cache_mgr.page_table_row(req.rid, self.page_width)[:P]
         batch = make_batch(tok, start, lens, slots, table)
-        sinp = build_sampler_inputs(
-            [r.req.params for r in rows], [r.req.seed for r in rows], [r.req.num_generated for r in rows],
-            [r.req.prompt for r in rows], [r.req.output for r in rows], [self._suppress(r.req) for r in rows],
-            pad_rows_to=B, pad_len_to=self.hist_len,
-        )
+        # sampler rows in batch order; padding rows get no request
+        by_pos: list = [None] * B
+        for k, r in enumerate(rows):
+            by_pos[at[k]] = r.req
+        reqs = by_pos if self.dp > 1 else [r.req for r in rows]
+        sinp = build_sampler_inputs(*self._sampler_lists(reqs), pad_rows_to=B, pad_len_to=self.hist_len)
         fn = self._compiled.get((B, T, P), self._fn)
         out, full, self.cache_mgr.cache = fn(self.model.params, self.cache_mgr.cache, batch, jnp.asarray(last),
                                                    sinp, *prev_pair, jnp.asarray(from_prev), jnp.asarray(pend_pos))
-        return out, full
+        return out, full, at
+
+    def _sampler_lists(self, reqs) -> tuple:
+        """build_sampler_inputs' per-row lists; a None entry (padding row) samples greedily."""
+        from .sampling_params import SamplingParams
+
+        pad = SamplingParams(temperature=0.0)
+        return ([q.params if q else pad for q in reqs], [q.seed if q else 0 for q in reqs],
+                [q.num_generated if q else 0 for q in reqs], [q.prompt if q else [] for q in reqs],
+                [q.output if q else [] for q in reqs], [self._suppress(q) if q else [] for q in reqs])
 
     def _suppress(self, req) -> list[int]:
         p = req.params
@@ -241,7 +277,7 @@ class Runner:
         return min(-(-T // self.page_size), self.page_width)
 
     def _padding_args(self, B: int, T: int, P: int) -> tuple:
-        batch = make_batch(np.zeros((B, T), np.int32), np.zeros(B), np.zeros(B), np.full(B, self.scratch),
+        batch = make_batch(np.zeros((B, T), np.int32), np.zeros(B), np.zeros(B), self._scratch_slots(B),
                            np.zeros((B, P)))
         sinp = build_sampler_inputs([], [], [], [], [], [], pad_rows_to=B, pad_len_to=self.hist_len)
         z = jnp.zeros(B, jnp.int32)

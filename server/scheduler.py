@@ -93,7 +93,10 @@ class Scheduler:
                 continue
             n = min(req.remaining, self.chunk_size, budget)
             while not self.cache.ensure_tokens(req.rid, req.num_computed + n):
-                victims = [r for r in self.running if r.rid not in scheduled and r is not req]
+                # only a request of the same attention DP group frees pages this one can use
+                group = self.cache.group_of(req.rid)
+                victims = [r for r in self.running if r.rid not in scheduled and r is not req
+                           and self.cache.group_of(r.rid) == group]
                 victim = max(victims, key=Request.sort_key) if victims else req
                 self._preempt(victim, plan)
                 if victim is req:

@@ -46,8 +46,29 @@ def build_mesh(recipe: Recipe, devices=None):
     if recipe.ep % recipe.dp:
         raise RecipeError(f"dp={recipe.dp} must divide ep={recipe.ep}: the attention DP groups are slices of the "
                           f"expert groups in this mesh layout")
+    dcp_axes(recipe), sp_axes(recipe)  # layout checks
     shape = (recipe.dp, recipe.ep // recipe.dp, recipe.tp)
     return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def _sub_axes(recipe: Recipe, size: int, what: str) -> tuple[str, ...]:
+    """The mesh axes inside one attention group whose product is ``size``."""
+    group_ep = recipe.ep // recipe.dp
+    options = {1: (), recipe.tp: ("tp",), group_ep: ("ep",), recipe.attn_group: ("ep", "tp")}
+    if size not in options:
+        raise RecipeError(f"{what}={size} must be 1, tp={recipe.tp}, ep/dp={group_ep} or the attention group "
+                          f"{recipe.attn_group} in this mesh layout (recipe {recipe})")
+    return options[size]
+
+
+def dcp_axes(recipe: Recipe) -> tuple[str, ...]:
+    """Mesh axes a sequence's MLA pages are dealt over (decode context parallelism)."""
+    return _sub_axes(recipe, recipe.dcp, "dcp")
+
+
+def sp_axes(recipe: Recipe) -> tuple[str, ...]:
+    """Mesh axes the rows of a step are split over between layers (sequence parallelism)."""
+    return _sub_axes(recipe, recipe.sp, "sp")
 
 
 def _size(mesh_shape: dict, axes) -> int:
@@ -106,7 +127,10 @@ def _path_str(keypath) -> str:
 
 
 def shard_params(params, mesh):
-    """Place an NNX parameter state on ``mesh`` by :func:`param_spec` (a new state)."""
+    """Place an NNX parameter state on ``mesh`` by :func:`param_spec` (a new state).
+
+    Leaves already on their target sharding (loaded with :func:`placement_for`) are kept as
+    they are, not moved again."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -114,9 +138,26 @@ def shard_params(params, mesh):
 
     def place(keypath, leaf):
         spec = param_spec(_path_str(keypath), tuple(leaf.shape), mshape)
-        return jax.device_put(leaf, NamedSharding(mesh, PartitionSpec(*spec)))
+        target = NamedSharding(mesh, PartitionSpec(*spec))
+        if getattr(leaf, "sharding", None) == target:
+            return leaf
+        return jax.device_put(leaf, target)
 
     return jax.tree_util.tree_map_with_path(place, params)
+
+
+def placement_for(mesh):
+    """``placement(param_path, shape) -> NamedSharding`` by :func:`param_spec`, for loading
+    parameters straight into their shards (``load_pretrained(..., placement=...)``): the
+    same shardings :func:`shard_params` gives, so a model loaded this way is not moved again."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mshape = dict(mesh.shape)
+
+    def placement(path: str, shape: tuple[int, ...]):
+        return NamedSharding(mesh, PartitionSpec(*param_spec(path, tuple(shape), mshape)))
+
+    return placement
 
 
 def shard_cache(cache, mesh, kda_heads: int):

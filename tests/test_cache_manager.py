@@ -151,7 +151,8 @@ def test_manager_basics():
     m = _manager(num_pages=6, max_num_seqs=2, page_size=8)
     assert m.cache.num_pages == 6 and m.cache.num_slots == 3 and m.cache.page_size == 8
     assert m.capacity() == {"max_tokens_in_kv": 48, "max_concurrent_slots": 2, "page_size": 8,
-                            "num_pages": 6, "num_slots": 3, "total_bytes": m.plan.total_bytes}
+                            "num_pages": 6, "num_slots": 3, "total_bytes": m.plan.total_bytes,
+                            "max_tokens_per_request": 48, "dp": 1, "dcp": 1}
     assert m.admit("a") and m.admit("b") and not m.admit("c")
     with pytest.raises(ValueError):
         m.admit("a")
@@ -252,3 +253,60 @@ def test_lifecycle_fuzz(seed):
         m.release(rid)
         m.check_invariants()
     assert m.num_free_pages == num_pages and m.num_free_slots == max_seqs and m.live_requests() == []
+
+
+@pytest.mark.parametrize("dp,dcp", [(1, 4), (2, 1), (2, 2)])
+def test_lifecycle_fuzz_dp_dcp(dp, dcp):
+    """Attention DP groups and DCP blocks: a request's slot is in its group, page k of it in
+    block ``group * dcp + (k + rank0) mod dcp``; admission balances groups (and the starting
+    DCP rank balances blocks); a block running dry fails
+    an extension exactly when the shadow says so; everything comes back at the end."""
+    rng = random.Random(dp * 10 + dcp)
+    page_size, max_seqs = 4, 6
+    cfg = k3_small()
+    plan = plan_capacity(cfg, page_size=page_size, dtype=jnp.float32, num_pages=41, max_num_seqs=max_seqs,
+                         dp=dp, dcp=dcp)
+    blocks = dp * dcp
+    assert plan.num_pages == 41 - 41 % blocks and plan.num_slots == dp * (max_seqs // dp + 1)
+    m = CacheManager(cfg, plan, jnp.float32, allocate=False)
+    per_block = plan.num_pages // blocks
+    tokens: dict[int, int] = {}
+    next_rid, fails = 0, 0
+    for _ in range(800):
+        op = rng.choices(["admit", "extend", "release"], [3, 8, 2])[0]
+        live = list(tokens)
+        if op == "admit":
+            counts = [sum(m.group_of(r) == g for r in live) for g in range(dp)]
+            ok = m.admit(next_rid)
+            assert ok == any(c < max_seqs // dp for c in counts)
+            if ok:
+                g = m.group_of(next_rid)
+                assert counts[g] == min(counts)  # the least-loaded group
+                tokens[next_rid] = 0
+            next_rid += 1
+        elif not live:
+            continue
+        elif op == "extend":
+            rid = rng.choice(live)
+            g, have = m.group_of(rid), len(m.pages_of(rid))
+            want = tokens[rid] + rng.randint(0, 5 * page_size)
+            new = range(have, max(have, -(-want // page_size)))
+            need = [m.block_for(m._req(rid), k) for k in new]
+            free = [m.pages.num_free_in(b) for b in range(blocks)]
+            ok = m.ensure_tokens(rid, want)
+            assert ok == all(need.count(b) <= free[b] for b in set(need))
+            if ok:
+                tokens[rid] = want
+            else:
+                fails += 1
+        else:
+            rid = rng.choice(live)
+            m.release(rid)
+            del tokens[rid]
+        m.check_invariants()  # includes: slot in the request's group, page k in block g*dcp + k%dcp
+    assert fails > 0
+    for rid in list(tokens):
+        m.release(rid)
+    m.check_invariants()
+    assert m.num_free_pages == plan.num_pages and all(m.pages.num_free_in(b) == per_block for b in range(blocks))
+    assert m.num_free_slots == max_seqs

@@ -49,7 +49,10 @@ class CachePlan:
     bytes_per_slot: int  # one slot's state + conv window across all KDA layers
     total_bytes: int  # the whole device cache
     max_tokens_in_kv: int  # num_pages * page_size
-    max_concurrent_slots: int  # num_slots - 1
+    max_tokens_per_request: int  # num_pages / dp * page_size (a request lives in one DP group)
+    max_concurrent_slots: int  # num_slots - dp (one scratch slot per attention DP group)
+    dp: int = 1  # attention DP groups: slots and pages split into dp equal ranges
+    dcp: int = 1  # decode context parallel ranks per group: each group's pages in dcp blocks
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -57,12 +60,19 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = None,
-                  max_num_seqs: int, num_pages: int | None = None) -> CachePlan:
+                  max_num_seqs: int, num_pages: int | None = None, dp: int = 1, dcp: int = 1) -> CachePlan:
     """Size the cache: ``max_num_seqs`` slots (+ scratch), then pages from what is left.
 
     Give ``kv_memory_bytes`` (the device budget for the whole cache) or ``num_pages``
     (explicit; if a budget is also given it is checked against it).
+
+    Under a recipe with attention DP (``dp`` groups) and DCP (``dcp`` ranks per group) the
+    slots split into ``dp`` equal groups (``ceil(max_num_seqs / dp)`` + a scratch slot each)
+    and the pages into ``dp * dcp`` equal blocks (rounded down to a multiple); a request
+    lives in one group, so it can hold at most ``num_pages / dp`` pages.
     """
+    if dp < 1 or dcp < 1:
+        raise ValueError(f"dp and dcp must be >= 1, got {dp}, {dcp}")
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     if max_num_seqs < 1:
@@ -70,15 +80,17 @@ def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = N
     if kv_memory_bytes is None and num_pages is None:
         raise ValueError("plan_capacity needs kv_memory_bytes or num_pages")
     dtype = jnp.dtype(dtype)
-    num_slots = max_num_seqs + 1
+    num_slots = dp * (_cdiv(max_num_seqs, dp) + 1)
+    blocks = dp * dcp
     # per-unit costs straight from the model's own layout, so they cannot drift from it
     bytes_per_slot = cache_bytes(cfg, 1, 0, page_size, dtype)
     bytes_per_page = cache_bytes(cfg, 0, 1, page_size, dtype)
     slot_bytes = num_slots * bytes_per_slot
 
     if num_pages is not None:
-        if num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        if num_pages < blocks:
+            raise ValueError(f"num_pages must be >= {blocks} (dp × dcp blocks), got {num_pages}")
+        num_pages -= num_pages % blocks
         total = slot_bytes + num_pages * bytes_per_page
         if kv_memory_bytes is not None and total > kv_memory_bytes:
             raise ValueError(f"cache of {num_slots} slots and {num_pages} pages needs {total} bytes, "
@@ -96,16 +108,23 @@ def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = N
             num_pages = max_num_seqs * _cdiv(tokens, page_size)
         else:
             num_pages = (kv_memory_bytes - slot_bytes) // bytes_per_page
+        num_pages -= num_pages % blocks
+        if num_pages < blocks:
+            raise ValueError(f"kv_memory_bytes={kv_memory_bytes} leaves fewer pages than the {blocks} dp × dcp blocks")
     total = cache_bytes(cfg, num_slots, num_pages, page_size, dtype)
     return CachePlan(num_pages=int(num_pages), num_slots=num_slots, page_size=int(page_size),
                      bytes_per_page=bytes_per_page, bytes_per_slot=bytes_per_slot, total_bytes=total,
-                     max_tokens_in_kv=int(num_pages) * int(page_size), max_concurrent_slots=num_slots - 1)
+                     max_tokens_in_kv=int(num_pages) * int(page_size),
+                     max_tokens_per_request=int(num_pages) // dp * int(page_size), max_concurrent_slots=num_slots - dp,
+                     dp=dp, dcp=dcp)
 
 
 @dataclasses.dataclass
 class _Request:
     slot: int
     pages: list[int]
+    group: int = 0
+    rank0: int = 0  # DCP rank of the sequence's first page (page k on rank (k + rank0) mod dcp)
 
 
 class CacheManager:
@@ -124,22 +143,44 @@ class CacheManager:
                              f"{plan.total_bytes} bytes, the cache would take {expect}")
         self.cfg, self.plan, self.dtype = cfg, plan, dtype
         self.page_size = plan.page_size
-        self.pages = PagePool(plan.num_pages)
-        self.slots = SlotPool(plan.num_slots)
+        self.dp, self.dcp = plan.dp, plan.dcp
+        self.pages = PagePool(plan.num_pages, plan.dp * plan.dcp)
+        self.slots = SlotPool(plan.num_slots, plan.dp)
         self._reqs: dict[Hashable, _Request] = {}
         self.cache = (allocate_cache(cfg, plan.num_slots, plan.num_pages, plan.page_size, dtype)
                       if allocate else None)
 
     # ------------------------------------------------------------------ per request
-    def admit(self, rid: Hashable) -> bool:
-        """Give ``rid`` a slot and no pages; False if no slot is free."""
+    def admit(self, rid: Hashable, group: int | None = None) -> bool:
+        """Give ``rid`` a slot and no pages; False if no slot is free.
+
+        Under attention DP the request joins ``group``, or by default the group with the most
+        free slots (ties: the most free pages) — the balance by load."""
         if rid in self._reqs:
             raise ValueError(f"request {rid!r} is already admitted")
-        slot = self.slots.alloc()
+        if group is None:
+            group = max(range(self.dp), key=lambda g: (self.slots.num_free_in(g), self.free_pages_in(g), -g))
+        slot = self.slots.alloc(group)
         if slot is None:
             return False
-        self._reqs[rid] = _Request(slot, [])
+        # start the round-robin on the group's DCP rank with the most free pages, so short
+        # sequences do not all pile onto rank 0
+        rank0 = max(range(self.dcp), key=lambda r: (self.pages.num_free_in(group * self.dcp + r), -r))
+        self._reqs[rid] = _Request(slot, [], group, rank0)
         return True
+
+    def block_for(self, req: _Request, k: int) -> int:
+        return req.group * self.dcp + (k + req.rank0) % self.dcp
+
+    def free_pages_in(self, group: int) -> int:
+        return sum(self.pages.num_free_in(group * self.dcp + r) for r in range(self.dcp))
+
+    def group_of(self, rid: Hashable) -> int:
+        return self._req(rid).group
+
+    def scratch_slot(self, group: int = 0) -> int:
+        """The slot padding rows of DP group ``group`` point at."""
+        return self.slots.scratch_of(group)
 
     def pages_needed(self, rid: Hashable, total_tokens: int) -> int:
         """Extra pages ``rid`` needs to hold ``total_tokens`` (0 if it already can)."""
@@ -151,10 +192,13 @@ class CacheManager:
         n = self.pages_needed(rid, total_tokens)
         if n == 0:
             return True
-        new = self.pages.alloc(n)
+        req = self._reqs[rid]
+        have = len(req.pages)
+        # page k of the sequence lives on DCP rank (k + rank0) mod dcp of the request's group
+        new = self.pages.alloc_in([self.block_for(req, k) for k in range(have, have + n)])
         if new is None:
             return False
-        self._reqs[rid].pages.extend(new)
+        req.pages.extend(new)
         return True
 
     def release(self, rid: Hashable) -> None:
@@ -189,7 +233,7 @@ class CacheManager:
 
     def slot_ids(self, rids: Iterable[Hashable | None]) -> np.ndarray:
         """``[len(rids)]`` int32 slots; a None entry is a padding row (the scratch slot)."""
-        return np.asarray([SCRATCH if r is None else self._req(r).slot for r in rids], np.int32)
+        return np.asarray([self.scratch_slot(0) if r is None else self._req(r).slot for r in rids], np.int32)
 
     def live_requests(self) -> list[Hashable]:
         return list(self._reqs)
@@ -215,6 +259,7 @@ class CacheManager:
     def capacity(self) -> dict:
         p = self.plan
         return {"max_tokens_in_kv": p.max_tokens_in_kv, "max_concurrent_slots": p.max_concurrent_slots,
+                "max_tokens_per_request": p.max_tokens_per_request, "dp": p.dp, "dcp": p.dcp,
                 "page_size": p.page_size, "num_pages": p.num_pages, "num_slots": p.num_slots,
                 "total_bytes": p.total_bytes}
 
@@ -230,7 +275,11 @@ class CacheManager:
         for rid, req in self._reqs.items():
             assert len(set(req.pages)) == len(req.pages), f"request {rid!r} holds a page twice: {req.pages}"
             holders.update(req.pages)
-            assert req.slot != SCRATCH, f"request {rid!r} holds the scratch slot"
+            assert req.slot % self.slots.per_group != SCRATCH, f"request {rid!r} holds a scratch slot"
+            assert self.slots.group_of(req.slot) == req.group, f"request {rid!r} holds a slot of another group"
+            for k, p in enumerate(req.pages):
+                want = self.block_for(req, k)
+                assert self.pages.block_of(p) == want, f"request {rid!r}: page {k} is in block {self.pages.block_of(p)}, not {want}"
             assert req.slot not in slots_seen, f"slot {req.slot} held by both {slots_seen[req.slot]!r} and {rid!r}"
             assert self.slots.is_used(req.slot), f"request {rid!r} holds slot {req.slot}, which the pool marks free"
             slots_seen[req.slot] = rid

@@ -11,7 +11,13 @@ Layout this pool indexes: ``Cache.mla_kv [nM, num_pages, page_size, kv_lora_rank
 Page 0 is an ordinary page: unused page-table entries may name it because MLA reads past a
 row's kv length are masked and writes of padding positions are dropped.
 
-Every call is O(n) in the pages it touches: a LIFO free list plus a refcount array.
+Blocks (decode context parallelism / attention DP): with ``num_blocks > 1`` the ids are
+cut into ``num_blocks`` equal ranges, one per device block of the sharded pool (block
+``g * dcp + r`` = DP group g, DCP rank r), each with its own free list; ``alloc_in(blocks)``
+takes one page from each named block, so the manager can deal a sequence's pages
+round-robin over its group's DCP ranks.
+
+Every call is O(n) in the pages it touches: a LIFO free list per block plus a refcount array.
 """
 from __future__ import annotations
 
@@ -21,22 +27,34 @@ from collections.abc import Iterable
 class PagePool:
     """``num_pages`` page ids ``0..num_pages-1``, each with a reference count (0 = free)."""
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, num_blocks: int = 1):
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        if num_blocks < 1 or num_pages % num_blocks:
+            raise ValueError(f"{num_pages} pages do not split into {num_blocks} equal blocks")
         self.num_pages = int(num_pages)
+        self.num_blocks = int(num_blocks)
+        self.block_size = self.num_pages // self.num_blocks
         self._ref = [0] * self.num_pages
-        # a stack popped from the end; reversed so a fresh pool hands out 0, 1, 2, ...
-        self._free = list(range(self.num_pages - 1, -1, -1))
+        # stacks popped from the end; reversed so a fresh pool hands out 0, 1, 2, ... per block
+        bs = self.block_size
+        self._frees = [list(range((b + 1) * bs - 1, b * bs - 1, -1)) for b in range(self.num_blocks)]
+        self._free = self._frees[0] if self.num_blocks == 1 else None
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return sum(len(f) for f in self._frees)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.num_free
+
+    def block_of(self, page: int) -> int:
+        return page // self.block_size if self.block_size else 0
+
+    def num_free_in(self, block: int) -> int:
+        return len(self._frees[block])
 
     def refcount(self, page: int) -> int:
         self._check_id(page)
@@ -47,9 +65,25 @@ class PagePool:
         """``n`` fresh pages with refcount 1, or None (allocating nothing) if fewer are free."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
+        if self.num_blocks != 1:
+            raise ValueError("a blocked pool allocates with alloc_in(blocks)")
         if n > len(self._free):
             return None
         out = [self._free.pop() for _ in range(n)]
+        for p in out:
+            self._ref[p] = 1
+        return out
+
+    def alloc_in(self, blocks: list[int]) -> list[int] | None:
+        """One fresh page from each of ``blocks`` (in order), or None (allocating nothing)."""
+        need: dict[int, int] = {}
+        for b in blocks:
+            if not 0 <= b < self.num_blocks:
+                raise IndexError(f"block {b} out of range 0..{self.num_blocks - 1}")
+            need[b] = need.get(b, 0) + 1
+        if any(len(self._frees[b]) < k for b, k in need.items()):
+            return None
+        out = [self._frees[b].pop() for b in blocks]
         for p in out:
             self._ref[p] = 1
         return out
@@ -81,7 +115,7 @@ class PagePool:
         for p in pages:
             self._ref[p] -= 1
             if self._ref[p] == 0:
-                self._free.append(p)
+                self._frees[self.block_of(p)].append(p)
 
     # ------------------------------------------------------------------ checks
     def _check_id(self, page: int) -> None:
@@ -90,8 +124,11 @@ class PagePool:
 
     def check_invariants(self) -> None:
         """Free list and refcounts agree: each free page listed once with count 0, used pages > 0."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "page free list holds duplicates"
+        every = [p for f in self._frees for p in f]
+        free = set(every)
+        assert len(free) == len(every), "page free list holds duplicates"
+        for b, f in enumerate(self._frees):
+            assert all(self.block_of(p) == b for p in f), f"a page of another block is on block {b}'s free list"
         for p in range(self.num_pages):
             r = self._ref[p]
             assert r >= 0, f"page {p} has negative refcount {r}"

@@ -10,6 +10,10 @@ Layout this pool indexes (``k3serve.model.cache``), both float32 whatever the mo
   kda_state [nK, num_slots, H, dk, dv]     recurrent state S[k, v] per KDA layer
   kda_conv  [nK, num_slots, W-1, 3*H*dk]   short-conv window, oldest first
 A slot id is the same index in every KDA layer. Capacity is ``num_slots - 1`` requests.
+
+Attention DP: with ``groups > 1`` the ids are cut into equal ranges, one per DP group (the
+slot dim of the pool is split over the mesh's ``"dp"`` axis); each range's first slot is that
+group's scratch slot and ``alloc(group)`` hands out slots of that group only.
 """
 from __future__ import annotations
 
@@ -19,50 +23,73 @@ SCRATCH = 0
 class SlotPool:
     SCRATCH = SCRATCH
 
-    def __init__(self, num_slots: int):
-        if num_slots < 2:
-            raise ValueError(f"num_slots must be >= 2 (slot {SCRATCH} is the scratch slot), got {num_slots}")
+    def __init__(self, num_slots: int, groups: int = 1):
+        if groups < 1 or num_slots % groups:
+            raise ValueError(f"{num_slots} slots do not split into {groups} equal groups")
+        per = num_slots // groups
+        if per < 2:
+            raise ValueError(f"num_slots must be >= 2 per group (the first is the scratch slot), got {num_slots} "
+                             f"for {groups} group(s)")
         self.num_slots = int(num_slots)
+        self.groups = int(groups)
+        self.per_group = per
         self._used = [False] * self.num_slots
-        self._used[SCRATCH] = True  # permanently taken
-        self._free = list(range(self.num_slots - 1, 0, -1))  # stack: a fresh pool hands out 1, 2, ...
+        for g in range(groups):
+            self._used[g * per] = True  # each group's scratch slot: permanently taken
+        # stacks: a fresh pool hands out 1, 2, ... within each group
+        self._frees = [list(range((g + 1) * per - 1, g * per, -1)) for g in range(groups)]
 
     @property
     def capacity(self) -> int:
-        return self.num_slots - 1
+        return self.num_slots - self.groups
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return sum(len(f) for f in self._frees)
+
+    def num_free_in(self, group: int) -> int:
+        return len(self._frees[group])
 
     @property
     def num_used(self) -> int:
-        """Slots held by requests (the scratch slot is not counted)."""
-        return self.capacity - len(self._free)
+        """Slots held by requests (the scratch slots are not counted)."""
+        return self.capacity - self.num_free
 
-    def alloc(self) -> int | None:
-        if not self._free:
+    def scratch_of(self, group: int) -> int:
+        return group * self.per_group
+
+    def group_of(self, slot: int) -> int:
+        return slot // self.per_group
+
+    def alloc(self, group: int = 0) -> int | None:
+        free = self._frees[group]
+        if not free:
             return None
-        s = self._free.pop()
+        s = free.pop()
         self._used[s] = True
         return s
 
     def free(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} out of range 0..{self.num_slots - 1}")
-        if slot == SCRATCH:
-            raise ValueError(f"slot {SCRATCH} is the scratch slot and is never allocated")
+        if slot % self.per_group == 0:
+            raise ValueError(f"slot {slot} is a scratch slot and is never allocated")
         if not self._used[slot]:
             raise ValueError(f"double free of slot {slot}")
         self._used[slot] = False
-        self._free.append(slot)
+        self._frees[self.group_of(slot)].append(slot)
 
     def is_used(self, slot: int) -> bool:
         return self._used[slot]
 
     def check_invariants(self) -> None:
-        free = set(self._free)
-        assert len(free) == len(self._free), "slot free list holds duplicates"
-        assert SCRATCH not in free, "scratch slot is on the free list"
-        for s in range(1, self.num_slots):
+        every = [s for f in self._frees for s in f]
+        free = set(every)
+        assert len(free) == len(every), "slot free list holds duplicates"
+        for g, f in enumerate(self._frees):
+            assert all(self.group_of(s) == g for s in f), f"a slot of another group is on group {g}'s free list"
+        for s in range(self.num_slots):
+            if s % self.per_group == 0:
+                assert s not in free and self._used[s], f"scratch slot {s} is on the free list"
+                continue
             assert self._used[s] != (s in free), f"slot {s}: used={self._used[s]} but {'in' if s in free else 'not in'} free list"

@@ -1,0 +1,242 @@
+"""Explicit expert-parallel (EP) dispatch and combine for the routed-expert FFN.
+
+:func:`expert_ffn_ep` computes exactly what ``kernels.moe.expert_ffn`` computes
+(``sum_j w_j * w2_e(act(w1_e x, w3_e x))``, float32), but inside one ``jax.shard_map`` over
+the whole mesh, with the token exchange written out instead of left to XLA's partitioner.
+
+Layout (what :func:`sharding.mesh.param_spec` gives the routed experts, consumed as is):
+``w1``/``w3`` ``[E, I, K]`` and ``w2`` ``[E, K, I]`` (or their MXFP4 ``packed``/``scale``
+pairs, same leading dims) have the expert dim over the ``ep`` EP ranks (``EXPERTS =
+("dp", "ep")`` flattened, rank ``r`` owns experts ``[r*E/ep, (r+1)*E/ep)``) and dim 1 over
+``"tp"``: the intermediate rows ``I`` of ``w1``/``w3``, but the *output* rows ``K`` of ``w2``.
+
+Algorithm, per device (EP rank ``r``, tp rank ``t``):
+
+1. Split tokens over the EP ranks: N is padded to ``N_pad = ep * n``; rank ``r`` owns tokens
+   ``[r*n, (r+1)*n)`` (replicated over ``"tp"``). Padding tokens get expert id -1 and weight 0
+   and are never dispatched.
+2. Dispatch: each of the ``n*k`` (token, choice) pairs goes to EP rank ``expert // (E/ep)``
+   with its local expert id ``expert % (E/ep)``. Each pair's rank among the pairs with the
+   same destination (``pos``) and the destination-major order (``start[d]``, ``count[d]``)
+   come from a one-hot cumsum (a stable counting sort, no ``argsort``). Every receiver keeps
+   one block of ``C`` rows per source rank (``[ep*C, K]`` receive buffer; block ``j`` row
+   ``i`` = the ``i``-th pair rank ``j`` sends here).
+3. Local experts: the receiver groups its rows by local expert (same counting sort) and runs
+   ``jax.lax.ragged_dot``
+   against its ``E/ep`` experts (MXFP4 dequantized with ``kernels.mxfp4.unpack_mxfp4``):
+   ``h = act(x W1ᵀ, x W3ᵀ)`` on its ``I/tp`` slice, ``all_gather`` of ``h`` over ``"tp"`` (w2
+   is split over its output rows, so no partial sums arise: the result is the single-device
+   arithmetic, only the expert's K columns are split), then ``y = h W2ᵀ`` on its ``K/tp`` columns.
+4. Combine: the rows go back to their source with the inverse exchange; the source puts
+   them back in (token, choice) order, weights by ``topk_w`` and sums the ``k`` choices (fp32),
+   then ``all_gather`` over the EP axes (tokens) and over ``"tp"`` (K columns) leaves all
+   ``N`` tokens on every device; the padding is stripped.
+
+A dim that ``param_spec`` leaves whole (it does not divide by tp) is consumed whole: no
+gather of ``h`` when ``I % tp``, full K columns on every tp rank when ``K % tp``. Experts
+that do not divide by ep are refused (ValueError), as ``Recipe.validate`` refuses them.
+
+Capacity: ``C = n * k`` rows per (source, destination) pair -- everything a source holds,
+so no token is ever dropped, whatever the routing (the worst case, every pair of every
+source on one rank, fills exactly ``ep * C`` receive rows). The price is a receive buffer
+of ``ep * n * k = N_pad * k`` rows per rank, ``ep`` times the balanced load; the expert
+matmuls run on it with ``ragged_dot`` group sizes that cover only the used rows.
+
+Two exchanges implement steps 2 and 4 (same receive layout, same results):
+
+* ``impl="padded"``: ``jax.lax.all_to_all`` of a dense ``[ep, C, K]`` send buffer (unused
+  rows are zeros) -- moves ``ep * C`` rows per rank each way. Runs everywhere; the one used
+  on CPU, whose XLA backend has no ``ragged-all-to-all`` (jax 0.10.2: "HLO opcode
+  `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter").
+* ``impl="ragged"``: ``jax.lax.ragged_all_to_all`` sends only the used rows (the pairs in
+  destination-major order, ``input_offsets = start``, ``send_sizes = count``, landing at
+  ``output_offsets = me * C``, block ``me`` of each receiver). One small ``all_to_all`` of
+  ``(count, start)`` first gives each receiver its ``recv_sizes`` and, for the way back,
+  where each source's rows sit in that source's send list. The buffers keep the static
+  ``ep * C`` size; what shrinks is the traffic.
+* ``impl="auto"`` (default): ``"padded"`` when the mesh's devices are CPUs, else
+  ``"ragged"`` (GPU and TPU implement the ragged collective; checked on one H200 with
+  jax 0.11.2 at ep=1 only -- the CPU tests check its offsets with an emulated collective).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from ..kernels.mxfp4 import unpack_mxfp4
+from .mesh import EXPERTS, param_spec
+
+IMPLS = ("auto", "padded", "ragged")
+_ragged_all_to_all = jax.lax.ragged_all_to_all  # module-level so a CPU test can check the offsets with an emulation
+_EXPERT_PATH = "layers.0.block_sparse_moe.experts."
+
+
+def _is_pair(w) -> bool:
+    return isinstance(w, (tuple, list))
+
+
+def _shape(w) -> tuple:
+    """Logical [E, out, in] of a dense weight or an MXFP4 (packed, scale) pair."""
+    return (*w[0].shape[:2], w[0].shape[2] * 2) if _is_pair(w) else tuple(w.shape)
+
+
+def _weight_specs(name: str, w, mesh_shape: dict) -> list:
+    """The param_spec entries of this expert weight's arrays (two for an MXFP4 pair)."""
+    if _is_pair(w):
+        return [param_spec(_EXPERT_PATH + f"{name}_{part}", tuple(a.shape), mesh_shape)
+                for part, a in zip(("packed", "scale"), w)]
+    return [param_spec(_EXPERT_PATH + name, tuple(w.shape), mesh_shape)]
+
+
+def _local_dense(w, dtype):
+    """This device's block of an expert weight, dense in ``dtype``."""
+    if _is_pair(w):
+        return unpack_mxfp4(w[0], w[1], dtype=dtype)
+    return w.astype(dtype)
+
+
+def resolve_impl(impl: str, mesh) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown EP exchange impl {impl!r} (one of {', '.join(IMPLS)})")
+    if impl == "auto":
+        return "padded" if mesh.devices.flat[0].platform == "cpu" else "ragged"
+    return impl
+
+
+def expert_ffn_ep(x, topk_idx, topk_w, w1, w2, w3, act, num_experts: int, compute_dtype=jnp.float32, *,
+                  mesh, impl: str = "auto"):
+    """Expert-parallel ``expert_ffn``: x [N, K]; topk_idx/topk_w [N, k]; w1/w3 [E, I, K] and
+    w2 [E, K, I] (dense or MXFP4 pairs) placed by ``param_spec`` on ``mesh`` (a
+    ``build_mesh`` mesh). Call it under ``jax.jit`` with global arrays. Returns float32
+    [N, K], replicated over the mesh. ``impl``: "padded", "ragged" or "auto" (module doc)."""
+    impl = resolve_impl(impl, mesh)
+    mshape = dict(mesh.shape)
+    ep = int(np.prod([mshape[a] for a in EXPERTS]))
+    N, K = x.shape
+    k = topk_idx.shape[1]
+    E, I, K1 = _shape(w1)
+    if E != num_experts or K1 != K or _shape(w3) != (E, I, K) or _shape(w2) != (E, K, I):
+        raise ValueError(f"expert weights do not match: x {x.shape}, w1 {_shape(w1)}, w3 {_shape(w3)}, "
+                         f"w2 {_shape(w2)}, num_experts {num_experts}")
+    weights = {"w1": w1, "w2": w2, "w3": w3}
+    specs = {n: _weight_specs(n, w, mshape) for n, w in weights.items()}
+    for n, ss in specs.items():
+        if any(s[0] != EXPERTS for s in ss):
+            raise ValueError(f"expert-parallel dispatch needs the {E} experts divisible by ep = {ep}; "
+                             f"{n} is placed as {ss}")
+        if len({s[1] for s in ss}) != 1:
+            raise ValueError(f"{n}'s MXFP4 arrays are split differently over tp: {ss}")
+    h_split = specs["w1"][0][1] == "tp"  # I of w1/w3 split over tp (else whole)
+    if h_split != (specs["w3"][0][1] == "tp"):
+        raise ValueError("w1 and w3 are split differently over tp")
+    y_split = specs["w2"][0][1] == "tp"  # K of w2 split over tp (else whole)
+    in_w = {n: tuple(P(*s) for s in specs[n]) if _is_pair(w) else P(*specs[n][0]) for n, w in weights.items()}
+
+    n = -(-N // ep)  # tokens per EP rank
+    pad = n * ep - N
+    xp = jnp.pad(x, ((0, pad), (0, 0)))
+    idxp = jnp.pad(topk_idx.astype(jnp.int32), ((0, pad), (0, 0)), constant_values=-1)
+    wp = jnp.pad(topk_w.astype(jnp.float32), ((0, pad), (0, 0)))
+
+    body = functools.partial(_ep_body, act=act, E=E, ep=ep, n=n, k=k, compute_dtype=compute_dtype,
+                             impl=impl, h_split=h_split, y_split=y_split)
+    tok = P(EXPERTS, None)
+    w1, w2, w3 = (tuple(w) if _is_pair(w) else w for w in (w1, w2, w3))  # pytrees match in_w
+    out = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, in_w["w1"], in_w["w2"], in_w["w3"]),
+                        out_specs=P(), check_vma=False)(xp, idxp, wp, w1, w2, w3)
+    return out[:N]
+
+
+def _group_slots(group, num_groups: int):
+    """Stable group-major order without a sort. ``group`` [M] holds ids in ``[0, num_groups]``
+    (``num_groups`` = "none", ordered last). Returns ``slot`` (each element's row in that
+    order, a permutation of ``[0, M)``), ``pos`` (its rank inside its group) and the
+    ``count``/``start`` of the real groups ([num_groups] each)."""
+    onehot = (group[:, None] == jnp.arange(num_groups + 1, dtype=group.dtype)[None, :]).astype(jnp.int32)
+    csum = jnp.cumsum(onehot, axis=0)
+    pos = jnp.take_along_axis(csum, group[:, None], axis=1)[:, 0] - 1
+    count = csum[-1]
+    start = jnp.cumsum(count) - count
+    return start[group] + pos, pos, count[:num_groups], start[:num_groups]
+
+
+def _ep_body(x, idx, wts, w1, w2, w3, *, act, E, ep, n, k, compute_dtype, impl, h_split, y_split):
+    """Per device: x [n, K], idx/wts [n, k] (this EP rank's tokens), this device's expert
+    blocks. Returns float32 [n*ep, K]: every token, on every device."""
+    El = E // ep
+    C = n * k  # capacity per (source, destination) = every pair this rank holds: exact
+    i32 = jnp.int32
+    K = x.shape[1]
+
+    # ---- dispatch bookkeeping: (token, choice) pair p = t*k + j goes to EP rank dest[p]
+    flat = idx.reshape(-1)
+    valid = flat >= 0  # padding tokens carry -1 and are never sent
+    dest = jnp.where(valid, flat // El, ep)  # ep = "nowhere"
+    lid = jnp.where(valid, flat % El, El).astype(i32)  # El = "no expert" sentinel
+    slot, pos, count, start = _group_slots(dest.astype(i32), ep)
+    xs = x.astype(compute_dtype)[jnp.arange(n * k) // k]  # [n*k, K], pair order
+
+    # ---- exchange: every receiver ends with ep*C rows, block j (C rows) from EP rank j
+    if impl == "padded":
+        send_x = jnp.zeros((ep, C, K), xs.dtype).at[dest, pos].set(xs, mode="drop")
+        send_l = jnp.full((ep, C), El, i32).at[dest, pos].set(lid, mode="drop")
+        recv_x = jax.lax.all_to_all(send_x, EXPERTS, 0, 0, tiled=True).reshape(ep * C, K)
+        recv_l = jax.lax.all_to_all(send_l, EXPERTS, 0, 0, tiled=True).reshape(ep * C)
+    elif impl == "ragged":
+        # send list: pairs in destination order (rows start[d] .. start[d]+count[d] go to rank d)
+        x_sorted = jnp.zeros_like(xs).at[slot].set(xs)
+        l_sorted = jnp.zeros_like(lid).at[slot].set(lid)
+        me = jax.lax.axis_index(EXPERTS)
+        meta = jax.lax.all_to_all(jnp.stack([count, start], axis=1).astype(i32), EXPERTS, 0, 0, tiled=True)
+        rcount, rstart = meta[:, 0], meta[:, 1]  # rows rank j sends me; where they sit in j's list
+        blocks = jnp.arange(ep, dtype=i32) * C
+        to_my_block = jnp.full((ep,), me * C, i32)  # my rows land in block `me` of every receiver
+        recv_x = _ragged_all_to_all(x_sorted, jnp.zeros((ep * C, K), xs.dtype), start, count,
+                                    to_my_block, rcount, axis_name=EXPERTS)
+        recv_l = _ragged_all_to_all(l_sorted, jnp.full((ep * C,), El, i32), start, count,
+                                    to_my_block, rcount, axis_name=EXPERTS)
+    else:
+        raise ValueError(impl)
+
+    # ---- this rank's experts on the received rows
+    y_recv = _local_experts(recv_x, recv_l, w1, w2, w3, act, El, compute_dtype, h_split)  # [ep*C, K_loc]
+    K_loc = y_recv.shape[1]
+
+    # ---- combine: results back to their source rank, then into (token, choice) order
+    if impl == "padded":
+        back = jax.lax.all_to_all(y_recv.reshape(ep, C, K_loc), EXPERTS, 0, 0, tiled=True)
+        y_pairs = back[jnp.minimum(dest, ep - 1), pos]
+    else:
+        back = _ragged_all_to_all(y_recv, jnp.zeros((n * k, K_loc), y_recv.dtype), blocks, rcount,
+                                  rstart, count, axis_name=EXPERTS)
+        y_pairs = back[slot]
+    y_pairs = jnp.where(valid[:, None], y_pairs, 0.0).reshape(n, k, K_loc)
+    out = jnp.einsum("njd,nj->nd", y_pairs, wts.astype(jnp.float32))  # [n, K_loc], fp32
+
+    out = jax.lax.all_gather(out, EXPERTS, axis=0, tiled=True)  # [n*ep, K_loc]: all tokens
+    if y_split:
+        out = jax.lax.all_gather(out, "tp", axis=1, tiled=True)  # [n*ep, K]
+    return out
+
+
+def _local_experts(xr, lr, w1, w2, w3, act, El, compute_dtype, h_split):
+    """Rows xr [R, K] with local expert ids lr [R] (El = none) through this device's experts,
+    grouped by expert with ``ragged_dot``. Returns float32 [R, K_loc] (this device's columns
+    of w2's output); rows without an expert hold junk that no source reads."""
+    f32 = jnp.float32
+    slot, _, sizes, _ = _group_slots(lr, El)
+    xs = jnp.zeros(xr.shape, compute_dtype).at[slot].set(xr.astype(compute_dtype))
+    W1 = jnp.swapaxes(_local_dense(w1, compute_dtype), 1, 2)  # [El, K, I_loc]
+    W3 = jnp.swapaxes(_local_dense(w3, compute_dtype), 1, 2)
+    W2 = jnp.swapaxes(_local_dense(w2, compute_dtype), 1, 2)  # [El, I, K_loc]
+    g = jax.lax.ragged_dot(xs, W1, sizes, preferred_element_type=f32)
+    u = jax.lax.ragged_dot(xs, W3, sizes, preferred_element_type=f32)
+    h = act(g, u).astype(compute_dtype)  # [R, I_loc]
+    if h_split:
+        h = jax.lax.all_gather(h, "tp", axis=1, tiled=True)  # [R, I]: w2 splits K, not I
+    y = jax.lax.ragged_dot(h, W2, sizes, preferred_element_type=f32)
+    return y[slot]

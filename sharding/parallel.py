@@ -1,0 +1,200 @@
+"""The parallel step: what the model calls, under a recipe, for the ops that need collectives.
+
+``model/`` never names a mesh axis. The runner hands the model a :class:`StepParallel`
+(``par``); where the model has a ``par`` it asks it for
+
+* ``mla_attention`` — write this step's latent rows into the paged MLA pool and attend,
+  with **decode context parallelism** and **attention DP**: inside a ``shard_map`` over the
+  whole mesh every rank holds one block of the pool's pages (the page dim is split over
+  ``("dp",) + dcp_axes``); the engine's allocator deals page k of a sequence of DP group g to
+  block ``g * dcp + (k + o) mod dcp`` (``o``: the sequence's starting rank, chosen for
+  balance; it is read back from the block of the sequence's first page), so a rank writes
+  only the rows whose page is in its block and attends over its own columns of the page
+  table (pages ``(r - o) mod dcp``, then every ``dcp``-th), returning
+  partial output and log-sum-exp per head; the partials are merged exactly over the DCP
+  ranks (``pmax`` of the LSE, then ``psum`` of the rescaled outputs and weights). Query heads
+  are split over the attention axes DCP does not use (all heads on every rank at full DCP:
+  the all-gather of the query); rows are split over ``"dp"`` (each DP group's rows only see
+  its own pages and slots);
+* ``take_slots`` / ``put_slots`` — the KDA state and conv rows of the step's slots, by DP
+  group (each group's slots live on its own devices; heads stay split over the group);
+* ``expert_ffn`` — the routed experts with explicit EP dispatch/combine (``sharding.ep``);
+* ``sp_scatter`` / ``sp_gather`` — sequence parallelism for the token-wise ops between
+  layers: the sublayer output is constrained to rows split over ``sp_axes`` (XLA turns the
+  row-parallel output projection's sum into a reduce-scatter) and the normalised input of the
+  next projection back to whole rows (an all-gather) — only on steps with at least
+  ``sp_min_rows`` rows whose row count divides by the SP size.
+
+Everything else in the step runs under XLA's Auto partitioner with the parameter placement of
+``sharding.mesh``.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..kernels.mla import mla_paged_attention
+from .mesh import ATTN, dcp_axes, sp_axes
+from .recipe import Recipe
+
+
+def _flat_index(axes: tuple[str, ...], sizes: dict) -> jax.Array:
+    """This rank's linear index over ``axes`` (row-major, as shard_map lays out blocks)."""
+    idx = jnp.int32(0)
+    for a in axes:
+        idx = idx * sizes[a] + jax.lax.axis_index(a)
+    return idx
+
+
+class StepParallel:
+    def __init__(self, recipe: Recipe, mesh, ep_dispatch: str | None = "auto"):
+        self.recipe, self.mesh = recipe, mesh
+        self.sizes = dict(mesh.shape)
+        self.dp = recipe.dp
+        self.dcp = recipe.dcp
+        self.dcp_axes = dcp_axes(recipe)
+        self.head_axes = tuple(a for a in ATTN if a not in self.dcp_axes)
+        self.rows_axis = "dp" if recipe.dp > 1 else None
+        self.page_axes = (("dp",) if recipe.dp > 1 else ()) + self.dcp_axes
+        self.sp_axes = sp_axes(recipe)
+        self.sp = recipe.sp
+        self.sp_min_rows = recipe.sp_min_rows
+        # explicit EP dispatch/combine: "ragged" (ragged_all_to_all), "padded" (all_to_all) or
+        # "auto" (ragged on accelerators, padded on CPU); None leaves the routed experts to
+        # XLA's Auto partitioner
+        self.ep_impl = ep_dispatch if recipe.ep > 1 else None
+
+    # ------------------------------------------------------------------ specs
+    def _ax(self, axes):
+        return None if not axes else (axes if len(axes) > 1 else axes[0])
+
+    def cache_specs(self, kda_heads: int) -> dict:
+        group = self.recipe.attn_group
+        heads = ATTN if kda_heads % group == 0 else None
+        return {"kda_state": P(None, self.rows_axis, heads, None, None),
+                "kda_conv": P(None, self.rows_axis, None, None),
+                "mla_kv": P(None, self._ax(self.page_axes), None, None)}
+
+    def cache_shardings(self, kda_heads: int) -> dict:
+        """NamedSharding of each cache array (``kda_state``, ``kda_conv``, ``mla_kv``)."""
+        return {k: NamedSharding(self.mesh, v) for k, v in self.cache_specs(kda_heads).items()}
+
+    def place_cache(self, cache, kda_heads: int):
+        import dataclasses
+
+        specs = self.cache_specs(kda_heads)
+        return dataclasses.replace(cache, **{
+            k: jax.device_put(getattr(cache, k), NamedSharding(self.mesh, specs[k])) for k in specs})
+
+    # ------------------------------------------------------------------ MLA with DCP / DP
+    def mla_attention(self, q_lat, q_rope, rows, kv_pool, layer: int, page_table, positions, valid, kv_lens,
+                      scale: float, latent_dim: int):
+        """Write ``rows`` [B,T,W] into the pool, attend; returns (pool, out_lat [B,T,H,latent])."""
+        B = q_lat.shape[0]
+        if B % self.dp:
+            raise ValueError(f"{B} rows do not split over dp={self.dp} attention groups")
+        dcp, sizes, dcp_ax = self.dcp, self.sizes, self.dcp_axes
+        page_axes = self.page_axes
+        page_size = kv_pool.shape[2]
+        rows_ax, heads = self.rows_axis, self._ax(self.head_axes)
+        q_spec = P(rows_ax, None, heads, None)
+        r_spec = P(rows_ax)
+        pool_spec = P(None, self._ax(page_axes), None, None)
+
+        def local(q_lat, q_rope, rows, pool, table, pos, valid, kv_lens):
+            ppr = pool.shape[1]  # pages in this rank's block
+            base = _flat_index(page_axes, sizes) * ppr if page_axes else jnp.int32(0)
+            # write: only rows whose page lives in this rank's block
+            k = jnp.clip(pos // page_size, 0, table.shape[1] - 1)
+            gid = jnp.take_along_axis(table, k, axis=1)
+            lid = gid - base
+            mine = valid & (lid >= 0) & (lid < ppr)
+            lid = jnp.where(mine, lid, ppr)  # out of range -> dropped
+            pool = pool.at[layer, lid, pos % page_size].set(rows.astype(pool.dtype), mode="drop")
+            # attend over this rank's columns of the page table: pages r, r + dcp, ...
+            if dcp > 1:
+                r = _flat_index(dcp_ax, sizes)
+                J = -(-table.shape[1] // dcp)
+                first_rank = (table[:, 0] // ppr) % dcp  # each row's starting rank o
+                ords = (r - first_rank)[:, None] % dcp + dcp * jnp.arange(J, dtype=jnp.int32)[None, :]  # [B, J]
+                cols = jnp.take_along_axis(table, jnp.clip(ords, 0, table.shape[1] - 1), axis=1)
+                cols = jnp.where(ords < table.shape[1], cols, -1)
+            else:
+                ords = None
+                cols = table
+            out, lse = mla_paged_attention(q_lat, q_rope, pool, cols - base, pos, kv_lens, scale, latent_dim,
+                                           layer=layer, page_ordinals=ords, return_lse=True)
+            if dcp > 1:  # exact merge of the ranks' partials
+                M = jax.lax.pmax(lse, dcp_ax)
+                M = jnp.where(jnp.isfinite(M), M, 0.0)
+                w = jnp.exp(lse - M)
+                num = jax.lax.psum(out * w[..., None], dcp_ax)
+                den = jax.lax.psum(w, dcp_ax)
+                out = num / jnp.where(den > 0, den, 1.0)[..., None]
+            return pool, out
+
+        fn = jax.shard_map(local, mesh=self.mesh,
+                           in_specs=(q_spec, q_spec, r_spec, pool_spec, r_spec, r_spec, r_spec, r_spec),
+                           out_specs=(pool_spec, q_spec), check_vma=False)
+        return fn(q_lat, q_rope, rows, kv_pool, page_table, positions, valid, kv_lens)
+
+    # ------------------------------------------------------------------ KDA slots by DP group
+    def take_slots(self, pool, slots):
+        """``pool[:, slots]`` where each DP group's rows name only its own slots."""
+        if self.dp == 1:
+            return pool[:, slots]
+        spec = P(None, "dp", *([None] * (pool.ndim - 2)))
+
+        def local(pool, slots):
+            base = jax.lax.axis_index("dp") * pool.shape[1]
+            return pool[:, jnp.clip(slots - base, 0, pool.shape[1] - 1)]
+
+        out_spec = P(None, "dp", *([None] * (pool.ndim - 2)))
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, P("dp")), out_specs=out_spec,
+                             check_vma=False)(pool, slots)
+
+    def put_slots(self, pool, slots, rows):
+        if self.dp == 1:
+            return pool.at[:, slots].set(rows)
+        spec = P(None, "dp", *([None] * (pool.ndim - 2)))
+
+        def local(pool, slots, rows):
+            base = jax.lax.axis_index("dp") * pool.shape[1]
+            lid = slots - base
+            lid = jnp.where((lid >= 0) & (lid < pool.shape[1]), lid, pool.shape[1])
+            return pool.at[:, lid].set(rows, mode="drop")
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, P("dp"), spec), out_specs=spec,
+                             check_vma=False)(pool, slots, rows)
+
+    # ------------------------------------------------------------------ experts
+    def expert_ffn(self, *args, **kw):
+        from ..kernels import ops
+
+        if self.ep_impl is None:
+            return ops.expert_ffn(*args, **kw)
+        from .ep import expert_ffn_ep
+
+        return expert_ffn_ep(*args, mesh=self.mesh, impl=self.ep_impl, **kw)
+
+    # ------------------------------------------------------------------ sequence parallelism
+    def _sp_on(self, x) -> bool:
+        B = x.shape[0]
+        return self.sp > 1 and B >= self.sp_min_rows and B % (self.sp * self.dp) == 0
+
+    def sp_scatter(self, x):
+        """After an output projection: rows split over the SP ranks (a reduce-scatter)."""
+        if not self._sp_on(x):
+            return x
+        axes = (("dp",) if self.dp > 1 else ()) + self.sp_axes
+        return jax.lax.with_sharding_constraint(
+            x, NamedSharding(self.mesh, P(self._ax(axes), *([None] * (x.ndim - 1)))))
+
+    def sp_gather(self, x):
+        """Before the next projection: whole rows again (an all-gather)."""
+        if not self._sp_on(x):
+            return x
+        return jax.lax.with_sharding_constraint(
+            x, NamedSharding(self.mesh, P(self.rows_axis, *([None] * (x.ndim - 1)))))
