@@ -83,6 +83,10 @@ def run_recipe(m, recipe: Recipe, lengths, page_size: int, decode_steps: int, ep
     lp, cache_par = f_par(sharded, cache_par, batch)
     lo, cache_one = f_one(m.params, cache_one, batch)
     lp, lo = np.asarray(lp), np.asarray(lo)
+    # the collectives XLA compiled into the prefill step (the executable is cached: no compile)
+    hlo = f_par.lower(sharded, cache_par, batch).compile().as_text()
+    collectives = {op: hlo.count(op + "(") + hlo.count(op + "-start(")
+                   for op in ("all-to-all", "reduce-scatter", "all-gather", "all-reduce")}
     last = []
     for i, n in enumerate(lengths):
         a, b = lp[at[i], :n], lo[at[i], :n]
@@ -107,7 +111,8 @@ def run_recipe(m, recipe: Recipe, lengths, page_size: int, decode_steps: int, ep
     from k3serve.sharding.ep import resolve_impl
 
     exchange = resolve_impl(par.ep_impl, mesh) if par.ep_impl else None
-    return {"err": max(errs), "tokens_equal": same, "ep_exchange": exchange, "kv_bytes_device": per_dev, "kv_bytes_total": total,
+    return {"err": max(errs), "tokens_equal": same, "ep_exchange": exchange, "collectives": collectives,
+            "sp_active": par.sp > 1 and B >= par.sp_min_rows and B % (par.sp * par.dp) == 0, "kv_bytes_device": per_dev, "kv_bytes_total": total,
             "spread": spread, "groups": groups}
 
 

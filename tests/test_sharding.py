@@ -64,6 +64,8 @@ def test_preset_matches_one_device(presets, name):
     x = presets[name]
     assert x["err"] < 1e-4 and x["tokens_equal"], x
     assert x["ep_exchange"] == "padded", x  # the explicit EP exchange ran inside the step (CPU: all_to_all)
+    assert x["collectives"]["all-to-all"] > 0, x
+    assert x["sp_active"] == (name != "v7-32-prefill"), x  # 8 rows >= sp_min_rows = 8 where sp = 4
 
 
 @pytest.mark.parametrize("name", list(SPEC["recipes"]))
