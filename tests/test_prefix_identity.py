@@ -79,3 +79,69 @@ def test_long_prompt_keys_are_distinct():
     tokens = list(range(131072))  # a 128K-token prompt: 8,192 units of 16
     hs = chain_hashes(tokens, 16)
     assert len(hs) == 8192 and len(set(hs)) == 8192
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_prefix_index_randomized_invariants(seed):
+    """Thousands of mixed operations: requests with shared prefixes allocate pages, register
+    their units, hit, release; the index evicts under its page budget. After every op the
+    index invariants hold, the page pool's refcounts equal requests' + the index's holds, a
+    hit's pages really hold that prefix (checked against a shadow of what each page holds),
+    and everything is free at the end."""
+    from k3serve.server.cache.pages import PagePool
+    from k3serve.server.cache.prefix import PrefixIndex
+
+    rng = random.Random(seed)
+    unit, ps = 4, 8
+    pool = PagePool(64)
+    idx = PrefixIndex(pool, unit=unit, page_size=ps, max_pages=rng.choice([6, 12, 20]))
+    bases = [[rng.randrange(30) for _ in range(40)] for _ in range(4)]  # shared system prompts
+    content: dict[int, list] = {}  # shadow: page -> the token ids written at each offset
+    live: dict[int, tuple[list, list]] = {}  # rid -> (tokens, pages)
+    hits = 0
+    for step in range(3000):
+        op = rng.choices(["new", "release"], [3, 2])[0]
+        if op == "new" or not live:
+            toks = rng.choice(bases)[: rng.randint(0, 40)] + [rng.randrange(30) for _ in range(rng.randint(1, 12))]
+            hs = chain_hashes(toks, unit)
+            n, shared = idx.match(hs)
+            # the hit's pages hold exactly those tokens
+            for u in range(n):
+                page = shared[u * unit // ps]
+                off = u * unit % ps
+                assert content[page][off:off + unit] == toks[u * unit:(u + 1) * unit]
+            hits += n > 0
+            full = n * unit // ps  # whole shared pages are mapped; a partial tail page is copied
+            pool.incref(shared[:full])
+            need = -(-len(toks) // ps) - full
+            new = pool.alloc(need)
+            if new is None:
+                pool.decref(shared[:full])
+                idx.evict_all() if rng.random() < 0.3 else None
+                continue
+            pages = shared[:full] + new
+            for j, p in enumerate(new):  # write (copy the shared tail, then the request's own tokens)
+                k = full + j
+                content[p] = list(toks[k * ps:(k + 1) * ps])
+            rid = step
+            live[rid] = (toks, pages)
+            idx.insert(hs, pages)
+        else:
+            rid = rng.choice(list(live))
+            toks, pages = live.pop(rid)
+            pool.decref(pages)
+        idx.check_invariants()
+        pool.check_invariants()
+        held = {}
+        for _, pages in live.values():
+            for p in pages:
+                held[p] = held.get(p, 0) + 1
+        for p, r in idx.page_refs().items():
+            held[p] = held.get(p, 0) + r
+        assert all(pool.refcount(p) == held.get(p, 0) for p in range(pool.num_pages))
+    assert hits > 100 and idx.evicted > 0
+    for rid in list(live):
+        pool.decref(live.pop(rid)[1])
+    idx.evict_all()
+    idx.check_invariants()
+    assert len(idx) == 0 and pool.num_free == pool.num_pages
