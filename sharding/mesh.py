@@ -108,14 +108,6 @@ def param_spec(path: str, shape: tuple[int, ...], mesh_shape: dict) -> tuple:
     return tuple(spec)
 
 
-def cache_specs(mesh_shape: dict, kda_heads: int) -> dict:
-    """KDA state and conv window split by head over the attention group; MLA pages replicated
-    (decode context parallelism of the pages comes with DCP)."""
-    attn = ATTN if kda_heads % _size(mesh_shape, ATTN) == 0 else None
-    return {"kda_state": (None, None, attn, None, None), "kda_conv": (None, None, None, None),
-            "mla_kv": (None, None, None, None)}
-
-
 def _path_str(keypath) -> str:
     parts = []
     for k in keypath:
@@ -158,14 +150,3 @@ def placement_for(mesh):
         return NamedSharding(mesh, PartitionSpec(*param_spec(path, tuple(shape), mshape)))
 
     return placement
-
-
-def shard_cache(cache, mesh, kda_heads: int):
-    import dataclasses
-
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    specs = cache_specs(dict(mesh.shape), kda_heads)
-    return dataclasses.replace(cache, **{
-        k: jax.device_put(getattr(cache, k), NamedSharding(mesh, PartitionSpec(*specs[k]))) for k in specs})

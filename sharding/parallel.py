@@ -81,13 +81,6 @@ class StepParallel:
         """NamedSharding of each cache array (``kda_state``, ``kda_conv``, ``mla_kv``)."""
         return {k: NamedSharding(self.mesh, v) for k, v in self.cache_specs(kda_heads).items()}
 
-    def place_cache(self, cache, kda_heads: int):
-        import dataclasses
-
-        specs = self.cache_specs(kda_heads)
-        return dataclasses.replace(cache, **{
-            k: jax.device_put(getattr(cache, k), NamedSharding(self.mesh, specs[k])) for k in specs})
-
     # ------------------------------------------------------------------ MLA with DCP / DP
     def mla_attention(self, q_lat, q_rope, rows, kv_pool, layer: int, page_table, positions, valid, kv_lens,
                       scale: float, latent_dim: int):

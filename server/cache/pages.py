@@ -39,7 +39,6 @@ class PagePool:
         # stacks popped from the end; reversed so a fresh pool hands out 0, 1, 2, ... per block
         bs = self.block_size
         self._frees = [list(range((b + 1) * bs - 1, b * bs - 1, -1)) for b in range(self.num_blocks)]
-        self._free = self._frees[0] if self.num_blocks == 1 else None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -67,12 +66,7 @@ class PagePool:
             raise ValueError(f"cannot allocate {n} pages")
         if self.num_blocks != 1:
             raise ValueError("a blocked pool allocates with alloc_in(blocks)")
-        if n > len(self._free):
-            return None
-        out = [self._free.pop() for _ in range(n)]
-        for p in out:
-            self._ref[p] = 1
-        return out
+        return self.alloc_in([0] * n)
 
     def alloc_in(self, blocks: list[int]) -> list[int] | None:
         """One fresh page from each of ``blocks`` (in order), or None (allocating nothing)."""
