@@ -159,6 +159,10 @@ def cmd_bench(args) -> int:
         from ..tools import bench_offline
 
         return bench_offline.main(rest[1:])
+    if rest and rest[0] == "prefix":
+        from ..tools import bench_prefix
+
+        return bench_prefix.main(rest[1:])
     from .bench import bench_main
 
     return bench_main(rest)
@@ -251,10 +255,39 @@ def _start_engine(args, path, metrics):
         dict(num_pages=args.num_pages) if args.num_pages else {})
     eng = Engine(m, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  chunk_size=args.chunk_size, page_size=args.page_size, max_model_len=args.max_model_len,
-                 detokenize=detok, async_scheduling=not args.sync, recipe=args.recipe, **kv)
+                 detokenize=detok, async_scheduling=not args.sync, recipe=args.recipe,
+                 **prefix_kwargs(args), **kv)
     loop = EngineLoop(eng, on_output=metrics.observe_output)
     metrics.loop = loop
     return loop
+
+
+def prefix_kwargs(args) -> dict:
+    """Engine keyword arguments of the prefix-cache flags (``add_prefix_flags``)."""
+    return dict(enable_prefix_caching=not args.no_prefix_caching, prefix_unit=args.prefix_unit,
+                prefix_interval=args.prefix_interval, prefix_second_hit=not args.no_prefix_second_hit,
+                prefix_output_end=not args.no_prefix_output_end, prefix_snapshots=args.prefix_snapshots,
+                prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30)) if args.prefix_cache_gb else None,
+                prefix_host_bytes=int(args.prefix_host_gb * (1 << 30)))
+
+
+def add_prefix_flags(p) -> None:
+    g = p.add_argument_group("prefix caching (on by default)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt from scratch")
+    g.add_argument("--prefix-unit", type=int, default=None,
+                   help="prefix-match unit in tokens (divides the page size; default min(16, page/2))")
+    g.add_argument("--prefix-interval", type=int, default=0,
+                   help="also snapshot the KDA state every N tokens (multiple of the unit; 0 = off)")
+    g.add_argument("--no-prefix-second-hit", action="store_true",
+                   help="do not register a branch point the second time it is seen")
+    g.add_argument("--no-prefix-output-end", action="store_true",
+                   help="do not register the state at the end of each request's output")
+    g.add_argument("--prefix-snapshots", type=int, default=None,
+                   help="device KDA snapshot slots (default 2 x max-num-seqs; paid before pages)")
+    g.add_argument("--prefix-cache-gb", type=float, default=None,
+                   help="byte budget of cached pages + snapshots (default: what the pool and slots hold)")
+    g.add_argument("--prefix-host-gb", type=float, default=1.0,
+                   help="host-DRAM tier for evicted prefixes (pages + state), 0 = off (default 1)")
 
 
 def param_inventory(cfg, dtype="bfloat16") -> list[tuple[str, tuple[int, ...], int]]:
@@ -368,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="open RPCs (streams) served at once; more get RESOURCE_EXHAUSTED")
     sv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
     sv.add_argument("--served-model-name", default=None)
+    add_prefix_flags(sv)
     sv.set_defaults(func=cmd_serve)
 
     pl = sub.add_parser("plan", help="memory per device and max concurrency for parallelism recipes")

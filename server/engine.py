@@ -38,7 +38,11 @@ class Engine:
                  num_pages: int | None = None, max_model_len: int = 2048, max_logprobs: int = 20,
                  warmup: bool = True, detokenize: Callable[[list[int]], str] | None = None,
                  compilation_cache_dir: str | None = None, async_scheduling: bool = True,
-                 page_buckets=None, split_mixed_steps: bool = True, recipe=None, devices=None):
+                 page_buckets=None, split_mixed_steps: bool = True, recipe=None, devices=None,
+                 enable_prefix_caching: bool = True, prefix_unit: int | None = None, prefix_interval: int = 0,
+                 prefix_second_hit: bool = True, prefix_output_end: bool = True,
+                 prefix_snapshots: int | None = None, prefix_cache_bytes: int | None = None,
+                 prefix_host_bytes: int = 1 << 30):
         cfg = model.config
         if compilation_cache_dir:
             import jax
@@ -68,8 +72,13 @@ class Engine:
         if kv_memory_bytes is None and num_pages is None:
             num_pages = max_num_seqs * -(-max_model_len // page_size)
             num_pages = -(-num_pages // (dp * dcp)) * dp * dcp  # whole blocks per DP group / DCP rank
+        if prefix_snapshots is None:
+            prefix_snapshots = 2 * max_num_seqs if enable_prefix_caching else 0
+        if enable_prefix_caching and prefix_snapshots < 1:
+            raise ValueError("prefix caching needs prefix_snapshots >= 1")
         self.plan = plan_capacity(cfg, page_size=page_size, dtype=model.dtype, kv_memory_bytes=kv_memory_bytes,
-                                  max_num_seqs=max_num_seqs, num_pages=num_pages, dp=dp, dcp=dcp)
+                                  max_num_seqs=max_num_seqs, num_pages=num_pages, dp=dp, dcp=dcp,
+                                  snapshot_slots=prefix_snapshots if enable_prefix_caching else 0)
         self.cache = CacheManager(cfg, self.plan, model.dtype, allocate=self.par is None)
         if self.par is not None:  # allocated straight into its shards
             import jax
@@ -80,9 +89,16 @@ class Engine:
             self.cache.cache = jax.jit(lambda: allocate_cache(cfg, p.num_slots, p.num_pages, p.page_size, model.dtype),
                                        out_shardings=Cache(**self.par.cache_shardings(cfg.kda_num_heads)))()
         chunk_size = min(chunk_size, max_num_batched_tokens)
+        self.prefix = None
+        if enable_prefix_caching:
+            from .cache.prefix_cache import PrefixCache
+
+            self.prefix = PrefixCache(self.cache, unit=prefix_unit, interval=prefix_interval,
+                                      second_hit=prefix_second_hit, output_end=prefix_output_end,
+                                      max_bytes=prefix_cache_bytes, host_bytes=prefix_host_bytes)
         self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, chunk_size=chunk_size,
-                                   max_model_len=max_model_len)
+                                   max_model_len=max_model_len, prefix=self.prefix)
         self.runner = Runner(model, self.cache, max_num_seqs=max_num_seqs, chunk_size=chunk_size,
                              max_model_len=max_model_len, max_logprobs=max_logprobs,
                              page_buckets=page_buckets, split_mixed=split_mixed_steps, par=self.par)
@@ -90,6 +106,9 @@ class Engine:
         self.warmup_s = 0.0
         self.num_steps = 0
         self.num_preemptions = 0
+        self.prompt_tokens_computed = 0  # prompt tokens run through the model (recomputes included)
+        self.tokens_computed = 0
+        self.prefix_bytes_peak = 0
         self.step_s = 0.0  # wall time inside step(), host work included
         if warmup:
             t = time.perf_counter()
@@ -98,7 +117,9 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, cache_salt: str | None = None, api_key: str | None = None) -> str:
+        """Queue a request. ``cache_salt`` (or else ``api_key``) names its prefix-cache tenant:
+        requests of different tenants never share cached pages or states."""
         params = params or SamplingParams()
         try:
             ids = [int(t) for t in np.asarray(prompt).reshape(-1)]
@@ -124,7 +145,10 @@ class Engine:
         if rid is not None and rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(31)
-        req = Request(prompt=ids, params=params, rid=rid or "", priority=priority, seed=seed)
+        from .cache.prefix import tenant_salt
+
+        req = Request(prompt=ids, params=params, rid=rid or "", priority=priority, seed=seed,
+                      salt=tenant_salt(cache_salt, api_key))
         self.requests[req.rid] = req
         self.scheduler.add(req)
         return req.rid
@@ -161,11 +185,16 @@ class Engine:
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
         launched = None
+        self.cache.flush_copies()  # prefix hits: snapshot -> slot, shared tail page -> own copy
         if plan.rows:
             launched = self.runner.launch(plan.rows, self._inflight)
+            if self.prefix is not None:
+                self.prefix.after_launch(plan.rows)
             self.num_steps += 1
             for i, row in enumerate(plan.rows):
                 req = row.req
+                self.tokens_computed += row.num_tokens
+                self.prompt_tokens_computed += max(0, min(row.start + row.num_tokens, len(req.prompt)) - row.start)
                 req.num_computed += row.num_tokens
                 touched[req.rid] = req
                 if row.samples:
@@ -177,6 +206,9 @@ class Engine:
             done, self._inflight = launched, None
         if done is not None:
             self._process(done, touched)
+        if self.prefix is not None:
+            self.prefix.events.publish()  # this step's stored/removed blocks, one numbered batch
+            self.prefix_bytes_peak = max(self.prefix_bytes_peak, self.prefix.bytes_held())
         outputs = []
         for req in touched.values():
             new = req.output[req.emitted:]
@@ -185,7 +217,8 @@ class Engine:
             lps = list(req.logprobs) if req.params.logprobs is not None else None
             req.emitted = len(req.output) + (1 if req.finished else 0)
             outputs.append(RequestOutput(req.rid, list(new), list(req.output), req.finished, req.finish_reason,
-                                         req.matched_stop, len(req.prompt), len(req.output), lps))
+                                         req.matched_stop, len(req.prompt), len(req.output), lps,
+                                         req.cached_tokens or 0))
         for req in [r for r in self.requests.values() if r.finished and r.emitted > len(r.output)]:
             del self.requests[req.rid]
         return outputs
@@ -208,6 +241,8 @@ class Engine:
                 req.logprobs.append((float(out.logprob[i]),
                                      [(int(a), float(b)) for a, b in zip(out.top_ids[i][:n], out.top_logprobs[i][:n])]))
             self._check_stop(req, tok)
+            if self.prefix is not None and not req.finished:
+                self.prefix.register_ready(req)  # snapshots waiting for this token to be keyed
 
     def _check_stop(self, req: Request, tok: int) -> None:
         p = req.params
@@ -239,5 +274,25 @@ class Engine:
             "launch_s": self.runner.launch_s,
             "wait_s": self.runner.wait_s,
             "async_scheduling": self.async_scheduling,
+            "prefix_caching": self.prefix is not None,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
+            "tokens_computed": self.tokens_computed,
+            "prefix_bytes_peak": self.prefix_bytes_peak,
+            **(self.prefix.stats() if self.prefix is not None else {}),
             **self.cache.capacity(),
         }
+
+    def flush_prefix_cache(self) -> int:
+        """Drop every cached prefix (pages and snapshots not in use); returns snapshots dropped."""
+        if self.prefix is None:
+            return 0
+        n = self.prefix.flush()
+        self.prefix.events.publish()
+        return n
+
+    def check_invariants(self) -> None:
+        """Pools, per-request holdings and the prefix cache agree (tests)."""
+        if self.prefix is not None:
+            self.prefix.check_invariants()
+        else:
+            self.cache.check_invariants()

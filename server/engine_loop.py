@@ -75,12 +75,13 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ callers
     def submit(self, prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-               priority: int = 0) -> RequestHandle:
+               priority: int = 0, cache_salt: str | None = None, api_key: str | None = None) -> RequestHandle:
         with self._lock:
             if not self._accepting or self.error is not None:
                 raise ShuttingDown("the server is shutting down" if self.error is None
                                    else f"the engine failed: {self.error!r}")
-            rid = self.engine.add_request(prompt, params, rid=rid, priority=priority)
+            rid = self.engine.add_request(prompt, params, rid=rid, priority=priority, cache_salt=cache_salt,
+                                          api_key=api_key)
             h = RequestHandle(self, rid, len(self.engine.requests[rid].prompt))
             self._handles[rid] = h
             self._wake.notify()
@@ -91,6 +92,11 @@ class EngineLoop:
             ok = self.engine.abort(rid)
             self._wake.notify()
             return ok
+
+    def flush_cache(self) -> int:
+        """Drop the cached prefixes (those no running request maps); returns snapshots dropped."""
+        with self._lock:
+            return self.engine.flush_prefix_cache()
 
     def in_flight(self, rid: str) -> bool:
         with self._lock:

@@ -175,7 +175,11 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         try:
             params = sampling_from_proto(request, max_model_len=eng.max_model_len,
                                          has_detokenizer=eng.detokenize is not None)
-            handle = loop.submit(list(request.tokenized.input_ids), params, rid=rid)
+            md = dict(context.invocation_metadata() or ())
+            key = md.get("authorization", "")
+            handle = loop.submit(list(request.tokenized.input_ids), params, rid=rid,
+                                 cache_salt=md.get("x-cache-salt") or None,
+                                 api_key=key.removeprefix("Bearer ") or None)
         except RequestError as e:
             if self.metrics is not None:
                 self.metrics.rejected(e.code)
@@ -187,7 +191,7 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         for out in handle.outputs(should_stop=lambda: not context.is_active()):
             if request.stream and out.new_token_ids:
                 chunk = pb.GenerateStreamChunk(token_ids=out.new_token_ids, prompt_tokens=n_prompt,
-                                               completion_tokens=out.completion_tokens, cached_tokens=0)
+                                               completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens)
                 if want_lp:
                     chunk.output_logprobs.CopyFrom(_logprobs(out.logprobs[sent_lp:], out.token_ids[sent_lp:]))
                     sent_lp = len(out.logprobs)
@@ -195,7 +199,7 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
             if out.finished:
                 done = pb.GenerateComplete(output_ids=out.token_ids, finish_reason=out.finish_reason or "abort",
                                            prompt_tokens=n_prompt, completion_tokens=out.completion_tokens,
-                                           cached_tokens=0)
+                                           cached_tokens=out.cached_tokens)
                 if isinstance(out.matched_stop, str):
                     done.matched_stop_str = out.matched_stop
                 elif out.matched_stop is not None:
@@ -300,7 +304,13 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         self._unimplemented(context, "Embed (k3serve serves generation models only)")
 
     def FlushCache(self, request, context):
-        self._unimplemented(context, "FlushCache (no prefix cache yet)")
+        loop = self._loop(context)
+        if loop.engine.prefix is None:
+            return common_pb2.FlushCacheResponse(success=True, message="prefix caching is off: nothing to flush")
+        n = loop.flush_cache()
+        return common_pb2.FlushCacheResponse(
+            success=True, message=f"dropped {n} cached prefix states and the pages only they held "
+                                  "(pages of running requests stay until they finish)")
 
     def StartProfile(self, request, context):
         self._unimplemented(context, "StartProfile")
@@ -309,7 +319,18 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         self._unimplemented(context, "StopProfile")
 
     def SubscribeKvEvents(self, request, context):
-        self._unimplemented(context, "SubscribeKvEvents (no prefix cache yet)")
+        """Stream the prefix cache's stored/removed blocks (one block = one prefix-match unit,
+        ``block_hash`` = its chained key) from ``start_sequence_number`` (0 = from now)."""
+        loop = self._loop(context)
+        if loop.engine.prefix is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prefix caching is off: no KV events")
+        log = loop.engine.prefix.events
+        seq = log.last_seq if request.start_sequence_number == 0 else request.start_sequence_number - 1
+        while context.is_active() and loop.accepting:
+            for b in log.after(seq, timeout=0.5):
+                seq = b.seq
+                yield common_pb2.KvEventBatch(sequence_number=b.seq, timestamp=b.timestamp, dp_rank=0,
+                                              events=[_kv_event(e) for e in b.events])
 
     def LoadLoRAAdapter(self, request, context):
         self._unimplemented(context, "LoRA")
@@ -342,6 +363,22 @@ def _logprobs(lps, ids) -> "pb.OutputLogProbs":
         out.token_ids.append(int(tid))
         out.top_logprobs.append(pb.TopLogProbs(values=[b for _, b in top], token_ids=[int(a) for a, _ in top]))
     return out
+
+
+def _kv_event(e) -> "common_pb2.KvCacheEvent":
+    device = common_pb2.KV_CACHE_TIER_DEVICE
+    if e.kind == "removed":
+        return common_pb2.KvCacheEvent(removed=common_pb2.KvBlocksRemoved(block_hashes=e.hashes, tier=device,
+                                                                          cache_level=0))
+    if e.kind == "cleared":
+        return common_pb2.KvCacheEvent(cleared=common_pb2.KvCacheCleared())
+    stored = common_pb2.KvBlocksStored(
+        blocks=[common_pb2.KvBlock(block_hash=h, token_ids=t, block_size=e.block_size, cache_level=0)
+                for h, t in zip(e.hashes, e.token_ids)], tier=device, medium="device",
+        kv_cache_spec_kind="mla_latent+kda_state", locality=common_pb2.KV_CACHE_LOCALITY_LOCAL)
+    if e.parent is not None:
+        stored.parent_block_hash = e.parent
+    return common_pb2.KvCacheEvent(stored=stored)
 
 
 class _ApiKey(grpc.ServerInterceptor):

@@ -76,7 +76,9 @@ class _EngineCollector:
         g = lambda name, doc, v: GaugeMetricFamily(name, doc, value=v)
         yield g("k3serve_requests_running", "Requests holding a KDA slot", st["running"])
         yield g("k3serve_requests_waiting", "Requests queued", st["waiting"])
-        yield g("k3serve_kv_pages_used", "MLA KV pages in use", eng.plan.num_pages - st["free_pages"])
+        cached = st.get("prefix_pages_held", 0)
+        yield g("k3serve_kv_pages_used", "MLA KV pages held by requests (cached prefix pages apart)",
+                eng.plan.num_pages - st["free_pages"] - cached)
         yield g("k3serve_kv_pages_total", "MLA KV pages", eng.plan.num_pages)
         yield g("k3serve_kda_slots_free", "Free KDA state slots", st["free_slots"])
         yield CounterMetricFamily("k3serve_preemptions", "Requests preempted (recomputed later)",
@@ -84,3 +86,21 @@ class _EngineCollector:
         yield CounterMetricFamily("k3serve_compilations", "Traces of the step function (compiles)",
                                   value=st["num_compiles"])
         yield CounterMetricFamily("k3serve_engine_steps", "Engine steps", value=st["num_steps"])
+        if st.get("prefix_caching"):
+            c = lambda name, doc, key: CounterMetricFamily(name, doc, value=st[key])
+            yield c("k3serve_prefix_query_tokens", "Prompt tokens of admitted requests (prefix-cache lookups)",
+                    "prefix_query_tokens")
+            yield c("k3serve_prefix_kv_hit_tokens", "Tokens whose MLA rows came from shared cached pages",
+                    "prefix_kv_hit_tokens")
+            yield c("k3serve_prefix_state_hit_tokens", "Tokens skipped by resuming from a cached KDA state snapshot",
+                    "prefix_state_hit_tokens")
+            yield c("k3serve_prefix_snapshots_registered", "KDA state snapshots registered", "snapshots_registered")
+            yield c("k3serve_prefix_snapshots_evicted", "KDA state snapshots evicted", "snapshots_evicted")
+            yield g("k3serve_prefix_pages_cached", "MLA pages held only or also by the prefix cache", cached)
+            yield g("k3serve_prefix_snapshots_held", "KDA state snapshots registered in the prefix cache",
+                    st["snapshots_held"])
+            tier = GaugeMetricFamily("k3serve_prefix_cache_bytes", "Bytes the prefix cache holds, by tier",
+                                     labels=["tier"])
+            tier.add_metric(["device"], st["prefix_device_bytes"])
+            tier.add_metric(["host"], st.get("prefix_host_bytes", 0))
+            yield tier

@@ -65,6 +65,11 @@ class Request:
     emitted: int = 0  # output tokens already handed to the caller
     pending: int = 0  # sampled tokens not yet back on the host (async scheduling)
     sample_row: tuple[int, int] | None = None  # (step number, row) of the newest pending token
+    salt: bytes = b""  # prefix-cache tenant (prefix.tenant_salt): requests of two tenants share nothing
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
+    boundaries: set = dataclasses.field(default_factory=set)  # extra snapshot boundaries (prefix cache)
+    chain: object = None  # prefix keys over the known tokens (prefix.PrefixChain), grown lazily
+    chain_len: int = 0  # tokens the chain has consumed
 
     def __post_init__(self):
         if not self.rid:
@@ -113,3 +118,4 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list | None = None  # per output token so far: (logprob, [(id, logprob), ...])
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -6,6 +6,12 @@ first: a decode row takes one token, a prefill takes a chunk of at most ``chunk_
 tokens — so one step mixes prefill chunks and decode rows. Waiting requests are then
 admitted FCFS while a KDA slot, pages and budget remain.
 
+Prefix caching (``prefix``, a ``cache.prefix_cache.PrefixCache``): an admitted request
+starts from the longest cached prefix that has both pages and a KDA snapshot, prefill chunks
+end on the request's snapshot boundaries, and cached prefixes are evicted (LRU) before any
+running request is preempted for pages. A request whose prefix another running request is
+still computing waits for it (see ``prefix_cache``), without holding back those behind it.
+
 When pages run out for a running request, the newest running requests not yet scheduled in
 this step are preempted (their pages and slot freed; they are recomputed later from
 prompt + output). The oldest running request therefore always makes progress, and since a
@@ -44,8 +50,9 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, cache, *, max_num_seqs: int, max_num_batched_tokens: int, chunk_size: int,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, prefix=None):
         self.cache = cache
+        self.prefix = prefix
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -65,7 +72,7 @@ class Scheduler:
         """Take a request out (finish or abort) and free what it holds."""
         if req in self.running:
             self.running.remove(req)
-            self.cache.release(req.rid)
+            self._release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
 
@@ -74,9 +81,29 @@ class Scheduler:
         return req.num_generated >= req.params.max_new_tokens or (
             self.max_model_len is not None and req.num_tokens >= self.max_model_len)
 
+    def _release(self, req: Request) -> None:
+        if self.prefix is not None:
+            self.prefix.release(req)
+        self.cache.release(req.rid)
+
+    def _chunk(self, req: Request, n: int) -> int:
+        """``n`` cut so a prefill chunk ends on the request's next snapshot boundary."""
+        if self.prefix is not None and n > 1:
+            b = self.prefix.next_boundary(req, req.num_computed)
+            if b is not None and b < req.num_computed + n:
+                return b - req.num_computed
+        return n
+
+    def _grow(self, req: Request, total: int) -> bool:
+        """ensure_tokens, evicting cached prefixes of the request's group first."""
+        while not self.cache.ensure_tokens(req.rid, total):
+            if self.prefix is None or not self.prefix.reclaim(self.cache.group_of(req.rid)):
+                return False
+        return True
+
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.running.remove(req)
-        self.cache.release(req.rid)
+        self._release(req)
         req.num_computed = 0
         req.num_preemptions += 1
         plan.preempted.append(req)
@@ -91,8 +118,8 @@ class Scheduler:
                 continue
             if self._complete(req):
                 continue
-            n = min(req.remaining, self.chunk_size, budget)
-            while not self.cache.ensure_tokens(req.rid, req.num_computed + n):
+            n = self._chunk(req, min(req.remaining, self.chunk_size, budget))
+            while not self._grow(req, req.num_computed + n):
                 # only a request of the same attention DP group frees pages this one can use
                 group = self.cache.group_of(req.rid)
                 victims = [r for r in self.running if r.rid not in scheduled and r is not req
@@ -107,17 +134,29 @@ class Scheduler:
             scheduled.add(req.rid)
             budget -= n
         # admit waiting requests (not ones preempted in this very step)
-        while self.waiting and len(plan.rows) < self.max_num_seqs and budget > 0 and not plan.preempted:
-            req = self.waiting[0]
-            if not self.cache.admit(req.rid):
+        for req in list(self.waiting):
+            if len(plan.rows) >= self.max_num_seqs or budget <= 0 or plan.preempted:
                 break
-            n = min(req.remaining, self.chunk_size, budget)
-            if not self.cache.ensure_tokens(req.rid, n):
-                self.cache.release(req.rid)
+            hit = self.prefix.lookup(req) if self.prefix is not None else None
+            if hit == "wait":
+                continue  # another running request is computing this prefix: resume from it later
+            if hit is not None and hit.group is not None and not self.cache.admit(req.rid, group=hit.group,
+                                                                                  rank0=hit.rank0):
+                hit = None  # the hit's DP group is full: compute it elsewhere
+            if req.rid not in self.cache and not self.cache.admit(req.rid):
                 break
-            self.waiting.pop(0)
+            if self.prefix is not None and not self.prefix.start(req, hit):
+                self._release(req)
+                req.num_computed = 0
+                break
+            n = self._chunk(req, min(req.remaining, self.chunk_size, budget))
+            if not self._grow(req, req.num_computed + n):
+                self._release(req)
+                req.num_computed = 0
+                break
+            self.waiting.remove(req)
             self.running.append(req)
             req.status = Status.RUNNING
-            plan.rows.append(ScheduledRow(req, 0, n, n == req.num_tokens))
+            plan.rows.append(ScheduledRow(req, req.num_computed, n, req.num_computed + n == req.num_tokens))
             budget -= n
         return plan

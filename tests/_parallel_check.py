@@ -140,7 +140,9 @@ def run_engine(m, recipe: str, lengths, new_tokens: int, page_size: int, seed: i
         for o in eng.step():
             if o.finished:
                 done[o.rid] = o.token_ids
-    eng.cache.check_invariants()
+    eng.check_invariants()  # prefix caching is on: its pages and snapshots are accounted for
+    eng.flush_prefix_cache()
+    eng.check_invariants()
     m.params = orig
     got = [done[r] for r in rids]
     return {"equal": got == expect, "groups": groups, "free_pages": eng.cache.num_free_pages,

@@ -85,8 +85,9 @@ def _all_free(loop, timeout=10.0):
     st = loop.stats()
     eng = loop.engine
     with loop._lock:
-        eng.cache.check_invariants()
-    assert st["free_pages"] == eng.plan.num_pages and st["free_slots"] == eng.plan.num_slots - 1, st
+        eng.check_invariants()  # the prefix cache's pages and snapshots included
+    assert st["free_pages"] + st["prefix_pages_held"] == eng.plan.num_pages, st
+    assert st["free_slots"] == eng.plan.max_concurrent_slots, st
 
 
 def test_generate_stream_and_unary_match_golden(served):
@@ -256,6 +257,10 @@ def test_64_streams_a_third_cancelled(served):
     _all_free(served.loop)
     text = __import__("prometheus_client").generate_latest(served.metrics.registry).decode()
     assert "k3serve_time_to_first_token_seconds_count" in text and "k3serve_kv_pages_used 0.0" in text
+    # the same three prompts, 64 times: most were served from the prefix cache
+    hits = [float(x.split()[-1]) for x in text.splitlines() if x.startswith("k3serve_prefix_state_hit_tokens_total")]
+    assert hits and hits[0] > 0, text
+    assert 'k3serve_prefix_cache_bytes{tier="device"}' in text
 
 
 def test_api_key_and_graceful_shutdown():
@@ -338,3 +343,64 @@ def test_tls(tmp_path):
                 pb_grpc.SglangSchedulerStub(ch).HealthCheck(pb.HealthCheckRequest(), timeout=5)
     finally:
         server.shutdown(grace_s=5)
+
+
+def test_prefix_cache_over_grpc(served):
+    """cached_tokens in chunks and the complete message, tenants by x-cache-salt metadata,
+    SubscribeKvEvents (stored blocks with parents and tokens, removed on FlushCache), FlushCache."""
+    base, expect = _prompts()
+    stub = served.stub
+    events, got_batches = [], threading.Event()
+    stream = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=120)
+
+    def read():
+        try:
+            for b in stream:
+                events.append(b)
+                got_batches.set()
+        except grpc.RpcError:
+            pass
+
+    th = threading.Thread(target=read, daemon=True)
+    th.start()
+    time.sleep(0.3)  # subscribed before the request below stores anything
+    p = [(i * 37 + 11) % 500 for i in range(50)]  # a prompt no earlier test sent
+    _, first = _collect(stub, _req(p, stream=False))
+    chunks, again = _collect(stub, _req(p + [7, 8, 9]))
+    unit = served.loop.engine.prefix.unit
+    assert first.cached_tokens == 0
+    assert again.cached_tokens >= (len(p) - 1) // unit * unit and chunks[0].cached_tokens == again.cached_tokens
+    # another tenant (x-cache-salt) shares nothing; the same tenant again does
+    _, other = _collect_md(stub, _req(p + [7, 8, 9]), [("x-cache-salt", "t1")])
+    _, other2 = _collect_md(stub, _req(p + [7, 8, 9]), [("x-cache-salt", "t1")])
+    assert other.cached_tokens == 0 and other2.cached_tokens > 0
+    assert got_batches.wait(10)
+    stored = [e.stored for b in events for e in b.events if e.HasField("stored")]
+    blocks = [blk for s in stored for blk in s.blocks]
+    assert blocks and all(blk.block_size == unit and len(blk.token_ids) == unit for blk in blocks)
+    assert list(blocks[0].token_ids) == p[:unit] and not stored[0].HasField("parent_block_hash")
+    seqs = [b.sequence_number for b in events]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    n_before = len(events)
+    r = stub.FlushCache(common_pb2.FlushCacheRequest())
+    assert r.success
+    t = time.monotonic() + 10
+    while time.monotonic() < t and not any(e.HasField("removed") for b in events[n_before:] for e in b.events):
+        time.sleep(0.05)
+    removed = {h for b in events[n_before:] for e in b.events if e.HasField("removed") for h in e.removed.block_hashes}
+    assert {blk.block_hash for blk in blocks} <= removed  # every stored block is gone after the flush
+    stream.cancel()
+    th.join(5)
+    st = served.loop.stats()
+    assert st["prefix_pages_held"] == 0 and st["snapshots_held"] == 0
+    _all_free(served.loop)
+
+
+def _collect_md(stub, req, metadata, timeout=120):
+    chunks, complete = [], None
+    for r in stub.Generate(req, timeout=timeout, metadata=metadata):
+        if r.HasField("chunk"):
+            chunks.append(r.chunk)
+        else:
+            complete = r.complete
+    return chunks, complete

@@ -83,20 +83,27 @@ def test_long_prompt_keys_are_distinct():
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_prefix_index_randomized_invariants(seed):
-    """Thousands of mixed operations: requests with shared prefixes allocate pages, register
-    their units, hit, release; the index evicts under its page budget. After every op the
-    index invariants hold, the page pool's refcounts equal requests' + the index's holds, a
-    hit's pages really hold that prefix (checked against a shadow of what each page holds),
-    and everything is free at the end."""
+    """Thousands of mixed operations: requests with shared prefixes look up a hit (pages +
+    snapshot), map the whole pages, copy a partial tail page, write their own rows, register
+    snapshots at random boundaries, release; the index evicts under its byte budget. After
+    every op: the index invariants, pool refcounts = requests' + the index's holds, budgets
+    respected, and a hit's pages and snapshot hold exactly that prefix (checked against a
+    shadow of what each page and snapshot slot holds). All free at the end."""
     from k3serve.server.cache.pages import PagePool
     from k3serve.server.cache.prefix import PrefixIndex
+    from k3serve.server.cache.slots import SlotPool
 
     rng = random.Random(seed)
     unit, ps = 4, 8
     pool = PagePool(64)
-    idx = PrefixIndex(pool, unit=unit, page_size=ps, max_pages=rng.choice([6, 12, 20]))
+    slots = SlotPool(2 + 10, snapshots=10)
+    bpp, bps = 100, 250
+    budget = rng.choice([1000, 2000, 4000])
+    idx = PrefixIndex(pool, unit=unit, page_size=ps, max_bytes=budget, bytes_per_page=bpp, bytes_per_snapshot=bps,
+                      free_snapshot=slots.free_snapshot)
     bases = [[rng.randrange(30) for _ in range(40)] for _ in range(4)]  # shared system prompts
     content: dict[int, list] = {}  # shadow: page -> the token ids written at each offset
+    snap_of: dict[int, list] = {}  # shadow: snapshot slot -> the prefix its state is of
     live: dict[int, tuple[list, list]] = {}  # rid -> (tokens, pages)
     hits = 0
     for step in range(3000):
@@ -104,34 +111,49 @@ def test_prefix_index_randomized_invariants(seed):
         if op == "new" or not live:
             toks = rng.choice(bases)[: rng.randint(0, 40)] + [rng.randrange(30) for _ in range(rng.randint(1, 12))]
             hs = chain_hashes(toks, unit)
-            n, shared = idx.match(hs)
-            # the hit's pages hold exactly those tokens
-            for u in range(n):
-                page = shared[u * unit // ps]
-                off = u * unit % ps
-                assert content[page][off:off + unit] == toks[u * unit:(u + 1) * unit]
+            n, shared, snap = idx.lookup(hs, max_units=(len(toks) - 1) // unit)
+            if n:
+                assert snap_of[snap] == toks[: n * unit]  # the state is of exactly this prefix
+                for u in range(n):  # the hit's pages hold exactly those tokens
+                    page = shared[u * unit // ps]
+                    off = u * unit % ps
+                    assert content[page][off:off + unit] == toks[u * unit:(u + 1) * unit]
             hits += n > 0
             full = n * unit // ps  # whole shared pages are mapped; a partial tail page is copied
             pool.incref(shared[:full])
             need = -(-len(toks) // ps) - full
             new = pool.alloc(need)
+            while new is None and idx.evict_one():
+                new = pool.alloc(need)
             if new is None:
                 pool.decref(shared[:full])
-                idx.evict_all() if rng.random() < 0.3 else None
                 continue
             pages = shared[:full] + new
             for j, p in enumerate(new):  # write (copy the shared tail, then the request's own tokens)
                 k = full + j
                 content[p] = list(toks[k * ps:(k + 1) * ps])
-            rid = step
-            live[rid] = (toks, pages)
-            idx.insert(hs, pages)
+            live[step] = (toks, pages)
+            # register a snapshot at the prompt end and maybe at a random earlier boundary
+            for b in {len(toks) // unit, rng.randint(1, max(1, len(toks) // unit))}:
+                if b == 0 or b > len(hs) or idx.has_snapshot(hs[b - 1]):
+                    continue
+                slot = slots.alloc_snapshot()
+                while slot is None and idx.evict_one(protect=set(hs[:b])):
+                    slot = slots.alloc_snapshot()
+                if slot is None:
+                    continue
+                if idx.register(hs[:b], pages, slot) == b:
+                    snap_of[slot] = toks[: b * unit]
+                else:
+                    slots.free_snapshot(slot)
         else:
             rid = rng.choice(list(live))
             toks, pages = live.pop(rid)
             pool.decref(pages)
         idx.check_invariants()
         pool.check_invariants()
+        slots.check_invariants()
+        assert slots.num_snapshots_used == idx.num_snapshots
         held = {}
         for _, pages in live.values():
             for p in pages:
@@ -139,9 +161,9 @@ def test_prefix_index_randomized_invariants(seed):
         for p, r in idx.page_refs().items():
             held[p] = held.get(p, 0) + r
         assert all(pool.refcount(p) == held.get(p, 0) for p in range(pool.num_pages))
-    assert hits > 100 and idx.evicted > 0
+    assert hits > 100 and idx.snapshots_evicted > 0
     for rid in list(live):
         pool.decref(live.pop(rid)[1])
     idx.evict_all()
     idx.check_invariants()
-    assert len(idx) == 0 and pool.num_free == pool.num_pages
+    assert len(idx) == 0 and pool.num_free == pool.num_pages and slots.num_free_snapshots == 10

@@ -126,4 +126,4 @@ def test_chat_completions_through_smg_match_direct_grpc(stack):
     assert streamed == want_text
     # everything the router sent has finished and freed its pages and slot
     st = stack["loop"].stats()
-    assert st["free_pages"] == stack["loop"].engine.plan.num_pages
+    assert st["free_pages"] + st["prefix_pages_held"] == stack["loop"].engine.plan.num_pages

@@ -53,6 +53,7 @@ class CachePlan:
     max_concurrent_slots: int  # num_slots - dp (one scratch slot per attention DP group)
     dp: int = 1  # attention DP groups: slots and pages split into dp equal ranges
     dcp: int = 1  # decode context parallel ranks per group: each group's pages in dcp blocks
+    snapshot_slots: int = 0  # KDA prefix snapshot slots (issue #6), split evenly over the DP groups
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -60,7 +61,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = None,
-                  max_num_seqs: int, num_pages: int | None = None, dp: int = 1, dcp: int = 1) -> CachePlan:
+                  max_num_seqs: int, num_pages: int | None = None, dp: int = 1, dcp: int = 1,
+                  snapshot_slots: int = 0) -> CachePlan:
     """Size the cache: ``max_num_seqs`` slots (+ scratch), then pages from what is left.
 
     Give ``kv_memory_bytes`` (the device budget for the whole cache) or ``num_pages``
@@ -70,6 +72,9 @@ def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = N
     slots split into ``dp`` equal groups (``ceil(max_num_seqs / dp)`` + a scratch slot each)
     and the pages into ``dp * dcp`` equal blocks (rounded down to a multiple); a request
     lives in one group, so it can hold at most ``num_pages / dp`` pages.
+
+    ``snapshot_slots`` (prefix caching, rounded up to a multiple of ``dp``) are extra KDA slots
+    for prefix state snapshots; like request slots they are paid for before the pages.
     """
     if dp < 1 or dcp < 1:
         raise ValueError(f"dp and dcp must be >= 1, got {dp}, {dcp}")
@@ -80,7 +85,10 @@ def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = N
     if kv_memory_bytes is None and num_pages is None:
         raise ValueError("plan_capacity needs kv_memory_bytes or num_pages")
     dtype = jnp.dtype(dtype)
-    num_slots = dp * (_cdiv(max_num_seqs, dp) + 1)
+    if snapshot_slots < 0:
+        raise ValueError(f"snapshot_slots must be >= 0, got {snapshot_slots}")
+    snap = dp * _cdiv(snapshot_slots, dp)
+    num_slots = dp * (_cdiv(max_num_seqs, dp) + 1) + snap
     blocks = dp * dcp
     # per-unit costs straight from the model's own layout, so they cannot drift from it
     bytes_per_slot = cache_bytes(cfg, 1, 0, page_size, dtype)
@@ -115,8 +123,8 @@ def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = N
     return CachePlan(num_pages=int(num_pages), num_slots=num_slots, page_size=int(page_size),
                      bytes_per_page=bytes_per_page, bytes_per_slot=bytes_per_slot, total_bytes=total,
                      max_tokens_in_kv=int(num_pages) * int(page_size),
-                     max_tokens_per_request=int(num_pages) // dp * int(page_size), max_concurrent_slots=num_slots - dp,
-                     dp=dp, dcp=dcp)
+                     max_tokens_per_request=int(num_pages) // dp * int(page_size), max_concurrent_slots=num_slots - dp - snap,
+                     dp=dp, dcp=dcp, snapshot_slots=snap)
 
 
 @dataclasses.dataclass
@@ -145,17 +153,22 @@ class CacheManager:
         self.page_size = plan.page_size
         self.dp, self.dcp = plan.dp, plan.dcp
         self.pages = PagePool(plan.num_pages, plan.dp * plan.dcp)
-        self.slots = SlotPool(plan.num_slots, plan.dp)
+        self.slots = SlotPool(plan.num_slots, plan.dp, plan.snapshot_slots)
         self._reqs: dict[Hashable, _Request] = {}
+        self._page_copies: list[tuple[int, int]] = []  # (src page, dst page), dispatched by flush_copies
+        self._slot_copies: list[tuple[int, int]] = []  # (src slot, dst slot)
+        self._copy_fns: dict = {}
+        self.num_copies = 0
         self.cache = (allocate_cache(cfg, plan.num_slots, plan.num_pages, plan.page_size, dtype)
                       if allocate else None)
 
     # ------------------------------------------------------------------ per request
-    def admit(self, rid: Hashable, group: int | None = None) -> bool:
+    def admit(self, rid: Hashable, group: int | None = None, rank0: int | None = None) -> bool:
         """Give ``rid`` a slot and no pages; False if no slot is free.
 
         Under attention DP the request joins ``group``, or by default the group with the most
-        free slots (ties: the most free pages) — the balance by load."""
+        free slots (ties: the most free pages) — the balance by load. ``rank0`` fixes the DCP
+        rank of its first page (a prefix hit must continue the layout of the pages it maps)."""
         if rid in self._reqs:
             raise ValueError(f"request {rid!r} is already admitted")
         if group is None:
@@ -165,9 +178,124 @@ class CacheManager:
             return False
         # start the round-robin on the group's DCP rank with the most free pages, so short
         # sequences do not all pile onto rank 0
-        rank0 = max(range(self.dcp), key=lambda r: (self.pages.num_free_in(group * self.dcp + r), -r))
+        if rank0 is None:
+            rank0 = max(range(self.dcp), key=lambda r: (self.pages.num_free_in(group * self.dcp + r), -r))
         self._reqs[rid] = _Request(slot, [], group, rank0)
         return True
+
+    def placement_of_page(self, page: int, k: int) -> tuple[int, int]:
+        """(group, rank0) a request must have for ``page`` to be its page number ``k``."""
+        block = self.pages.block_of(page)
+        return block // self.dcp, (block % self.dcp - k) % self.dcp
+
+    def map_shared(self, rid: Hashable, pages: list[int]) -> None:
+        """Map already-written ``pages`` (read-only, refcounted) as ``rid``'s first pages."""
+        req = self._req(rid)
+        if req.pages:
+            raise ValueError(f"request {rid!r} already holds pages")
+        for k, p in enumerate(pages):
+            if self.pages.block_of(p) != self.block_for(req, k):
+                raise ValueError(f"page {p} cannot be page {k} of request {rid!r} (wrong DCP/DP block)")
+        self.pages.incref(pages)
+        req.pages.extend(pages)
+
+    def copy_on_write(self, rid: Hashable, src_page: int) -> bool:
+        """Give ``rid`` a fresh next page holding a copy of ``src_page``'s rows (a shared, partly
+        filled tail page it is about to write into); False if no page is free in its block."""
+        req = self._req(rid)
+        new = self.pages.alloc_in([self.block_for(req, len(req.pages))])
+        if new is None:
+            return False
+        req.pages.extend(new)
+        self._page_copies.append((src_page, new[0]))
+        return True
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Queue a copy of KDA slot ``src`` (state + conv window) onto slot ``dst``."""
+        self._slot_copies.append((src, dst))
+
+    def flush_copies(self) -> int:
+        """Dispatch the queued page and slot copies (in one device program each, in the order
+        the device sees the cache: after every step launched so far, before the next). All
+        sources are read before any destination is written. Returns the copies made."""
+        n = len(self._page_copies) + len(self._slot_copies)
+        if self.cache is None:  # bookkeeping only (no device cache)
+            self._page_copies.clear()
+            self._slot_copies.clear()
+            return n
+        if self._page_copies:
+            src, dst = zip(*self._page_copies)
+            self.cache = self._copy_fn("pages")(self.cache, *self._pad(src, dst))
+            self._page_copies.clear()
+        if self._slot_copies:
+            src, dst = zip(*self._slot_copies)
+            self.cache = self._copy_fn("slots")(self.cache, *self._pad(src, dst))
+            self._slot_copies.clear()
+        self.num_copies += n
+        return n
+
+    def read_prefix(self, slot: int, pages: list[int], tokens: int):
+        """(state, conv, rows) device arrays of snapshot ``slot`` and the first ``tokens`` rows of
+        ``pages`` — dispatched now, so they read what those hold after every launched step."""
+        c = self.cache
+        rows = c.mla_kv[:, jnp.asarray(pages, jnp.int32)]  # [nM, P, ps, W]
+        rows = rows.reshape(rows.shape[0], -1, rows.shape[-1])[:, :tokens]
+        return c.kda_state[:, slot], c.kda_conv[:, slot], rows
+
+    def write_prefix(self, rid: Hashable, rows, state, conv) -> None:
+        """Write a reloaded prefix into ``rid``'s pages (which must cover its rows) and slot."""
+        req = self._req(rid)
+        n = rows.shape[1]
+        P = _cdiv(n, self.page_size)
+        pages = req.pages[:P]
+        if len(pages) < P:
+            raise ValueError(f"request {rid!r} holds {len(req.pages)} pages, fewer than the {P} to load")
+        pad = np.zeros((rows.shape[0], P * self.page_size, rows.shape[2]), rows.dtype)
+        pad[:, :n] = rows
+        pad = pad.reshape(rows.shape[0], P, self.page_size, rows.shape[2])
+        k = 1 << (P - 1).bit_length()  # pad the page count to a power of two (repeat page 0: same write)
+        idx = np.asarray(pages + [pages[0]] * (k - P), np.int32)
+        pad = np.concatenate([pad, np.repeat(pad[:, :1], k - P, axis=1)], axis=1)
+        self.flush_copies()
+        fn = self._copy_fns.get("load")
+        if fn is None:
+            import jax
+
+            def load(cache, idx, rows, slot, state, conv):
+                return dataclasses.replace(cache, mla_kv=cache.mla_kv.at[:, idx].set(rows.astype(cache.mla_kv.dtype)),
+                                           kda_state=cache.kda_state.at[:, slot].set(state),
+                                           kda_conv=cache.kda_conv.at[:, slot].set(conv))
+
+            shardings = jax.tree.map(lambda a: a.sharding, self.cache)
+            fn = self._copy_fns["load"] = jax.jit(load, donate_argnums=0, out_shardings=shardings)
+        self.cache = fn(self.cache, jnp.asarray(idx), jnp.asarray(pad), jnp.int32(req.slot), jnp.asarray(state),
+                        jnp.asarray(conv))
+
+    @staticmethod
+    def _pad(src, dst):
+        """Pad to a power of two with repeats of the first copy (identical writes, defined)."""
+        n = 1 << (len(src) - 1).bit_length()
+        src, dst = list(src) + [src[0]] * (n - len(src)), list(dst) + [dst[0]] * (n - len(dst))
+        return jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
+
+    def _copy_fn(self, kind: str):
+        fn = self._copy_fns.get(kind)
+        if fn is None:
+            import jax
+
+            def pages(cache, src, dst):
+                kv = cache.mla_kv
+                return dataclasses.replace(cache, mla_kv=kv.at[:, dst].set(kv[:, src]))
+
+            def slots(cache, src, dst):
+                st, cv = cache.kda_state, cache.kda_conv
+                return dataclasses.replace(cache, kda_state=st.at[:, dst].set(st[:, src]),
+                                           kda_conv=cv.at[:, dst].set(cv[:, src]))
+
+            shardings = jax.tree.map(lambda a: a.sharding, self.cache)  # keep the layout the step expects
+            fn = jax.jit(pages if kind == "pages" else slots, donate_argnums=0, out_shardings=shardings)
+            self._copy_fns[kind] = fn
+        return fn
 
     def block_for(self, req: _Request, k: int) -> int:
         return req.group * self.dcp + (k + req.rank0) % self.dcp
@@ -204,6 +332,11 @@ class CacheManager:
     def release(self, rid: Hashable) -> None:
         """Return ``rid``'s pages (decref) and slot. Finish, abort and preemption alike."""
         req = self._reqs.pop(rid)  # KeyError for an unknown rid
+        # a copy queued into what it gives back must not land after the next owner's
+        if self._page_copies:
+            gone = set(req.pages)
+            self._page_copies = [c for c in self._page_copies if c[1] not in gone or self.pages.refcount(c[1]) > 1]
+        self._slot_copies = [c for c in self._slot_copies if c[1] != req.slot]
         self.pages.decref(req.pages)
         self.slots.free(req.slot)
 

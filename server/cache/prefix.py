@@ -106,32 +106,49 @@ def longest_match(hashes: Sequence[bytes], present) -> int:
 
 
 class PrefixIndex:
-    """Which prefix units the cache holds, and where (host-side bookkeeping, issue #6).
+    """Which prefixes the cache can resume from, and where their MLA rows and KDA state are
+    (host-side bookkeeping, issue #6).
 
-    A unit entry says: the latent rows of the unit with this key live in ``page`` (at offset
-    ``depth * unit % page_size``). The index holds **one** reference on each page that any of
-    its units names (taken from the shared :class:`~k3serve.server.cache.pages.PagePool`), so a
-    page outlives the requests that wrote it while the cache keeps it, and returns to the pool
-    when both let go. ``page_refs()`` is what ``CacheManager.check_invariants`` needs as
-    ``extra_page_refs``.
+    A **unit entry** says: the latent rows of the unit with this key live in ``page`` (at
+    offset ``depth * unit % page_size``). A unit entry may carry a **snapshot**: a KDA slot
+    holding the recurrent state (and conv window) after exactly the tokens up to and
+    including that unit. A hit needs both — the pages of every unit up to the boundary and a
+    snapshot at the boundary — so ``lookup`` returns the deepest snapshot along the matched
+    chain, and units past the last snapshot of every chain are useless and are never kept.
 
-    Invariants (``check_invariants``): every entry's parent is the root or an entry (a child is
-    only reachable through its parents, so eviction takes leaves only); the number of entries
-    naming a page is > 0 exactly for the pages the index holds a reference on; the pages held
-    never exceed ``max_pages``. Eviction is LRU over leaf entries (``match`` refreshes a hit);
-    entries whose page is still mapped by a request cost nothing to keep but are evicted the
-    same way.
+    The index holds **one** reference on each page any of its units names (on the shared
+    :class:`~k3serve.server.cache.pages.PagePool`), so a page outlives the requests that
+    wrote it while the cache keeps it; ``page_refs()`` is what
+    ``CacheManager.check_invariants`` needs as ``extra_page_refs``. Snapshot slots are owned by
+    the index once registered and handed back through ``free_snapshot`` on eviction.
+
+    Eviction is LRU over snapshots (``lookup`` refreshes the one it returns). Dropping a
+    snapshot trims the units that no snapshot needs any more (leaf units without a snapshot,
+    repeatedly), which is what frees pages. Budget: ``pages * bytes_per_page + snapshots *
+    bytes_per_snapshot <= max_bytes``.
+
+    Invariants (``check_invariants``): every entry's parent is the root or an entry; every
+    leaf carries a snapshot; the entries naming a page are > 0 exactly for the pages the index
+    holds a reference on; the bytes held are within the budget.
     """
 
-    def __init__(self, pool, *, unit: int, page_size: int, max_pages: int):
+    def __init__(self, pool, *, unit: int, page_size: int, max_bytes: int | None = None, bytes_per_page: int = 1,
+                 bytes_per_snapshot: int = 0, free_snapshot=None, on_event=None, on_evict=None):
         if page_size % unit:
             raise ValueError(f"page_size {page_size} must be a multiple of the prefix unit {unit}")
-        self.pool, self.unit, self.page_size, self.max_pages = pool, unit, page_size, max_pages
-        self._entries: dict[bytes, tuple[bytes | None, int, int]] = {}  # key -> (parent, page, depth)
+        self.pool, self.unit, self.page_size = pool, unit, page_size
+        self.max_bytes = max_bytes
+        self.bytes_per_page, self.bytes_per_snapshot = bytes_per_page, bytes_per_snapshot
+        self._free_snapshot = free_snapshot or (lambda slot: None)
+        self._on_event = on_event  # (kind, [keys]) for "stored" / "removed" (SubscribeKvEvents)
+        self._on_evict = on_evict  # (key, snapshot slot, units, pages) before an evicted snapshot is freed
+        self._entries: dict[bytes, list] = {}  # key -> [parent, page, depth, snapshot slot | None]
         self._children: dict[bytes, int] = {}  # key -> number of child entries
         self._page_units: dict[int, int] = {}  # page -> entries naming it
-        self._lru: OrderedDict[bytes, None] = OrderedDict()  # leaf keys, least recently used first
-        self.evicted = 0
+        self._snaps: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
+        self.evicted = 0  # units removed
+        self.snapshots_registered = 0
+        self.snapshots_evicted = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -143,67 +160,142 @@ class PrefixIndex:
     def num_pages(self) -> int:
         return len(self._page_units)
 
+    @property
+    def num_snapshots(self) -> int:
+        return len(self._snaps)
+
+    @property
+    def bytes_held(self) -> int:
+        return self.num_pages * self.bytes_per_page + self.num_snapshots * self.bytes_per_snapshot
+
     def page_refs(self) -> dict[int, int]:
         return {p: 1 for p in self._page_units}
 
-    def match(self, hashes: Sequence[bytes]) -> tuple[int, list[int]]:
-        """(units matched, the pages holding them in order); touches the matched chain."""
-        n = longest_match(hashes, self._entries.__contains__)
-        pages: list[int] = []
-        per_page = self.page_size // self.unit
-        for i in range(n):
-            if i % per_page == 0:
-                pages.append(self._entries[hashes[i]][1])
-        for i in range(n):  # only leaves are in the LRU
-            if hashes[i] in self._lru:
-                self._lru.move_to_end(hashes[i])
-        return n, pages
+    def snapshot_slots(self) -> list[int]:
+        return list(self._snaps.values())
 
-    def insert(self, hashes: Sequence[bytes], pages: Sequence[int]) -> int:
-        """Register the units of a computed prefix (``pages`` = the request's pages in order,
-        covering at least ``len(hashes) * unit`` tokens). Units already present are kept
-        (their page is the first writer's). Evicts LRU leaves to stay within ``max_pages``;
-        returns the number of new entries (stops early if the budget cannot make room)."""
+    def has_snapshot(self, key: bytes) -> bool:
+        e = self._entries.get(key)
+        return e is not None and e[3] is not None
+
+    def match_len(self, hashes: Sequence[bytes]) -> int:
+        """Leading units of ``hashes`` whose rows the index holds (snapshot or not)."""
+        return longest_match(hashes, self._entries.__contains__)
+
+    def lookup(self, hashes: Sequence[bytes], max_units: int | None = None) -> tuple[int, list[int], int | None]:
+        """(units, pages, snapshot slot) of the deepest snapshot along ``hashes`` within
+        ``max_units``; ``(0, [], None)`` if none. ``pages`` cover the units (the last one may
+        be partly filled by them). The snapshot returned becomes the most recently used."""
+        n = self.match_len(hashes)
+        if max_units is not None:
+            n = min(n, max_units)
+        best = next((i for i in range(n - 1, -1, -1) if self._entries[hashes[i]][3] is not None), None)
+        if best is None:
+            return 0, [], None
+        key = hashes[best]
+        self._snaps.move_to_end(key)
         per_page = self.page_size // self.unit
-        added = 0
-        parent = None
-        for i, h in enumerate(hashes):
-            if h in self._entries:
-                parent = h
-                continue
-            page = pages[i // per_page]
-            if i % per_page and self._entries[parent][1] != page:
-                # the units of one page must all name the same physical page: this request's
-                # rows of the page are in another copy (it wrote after a copy-on-write)
+        pages = [self._entries[hashes[i]][1] for i in range(0, best + 1, per_page)]
+        return best + 1, pages, self._entries[key][3]
+
+    def match(self, hashes: Sequence[bytes]) -> tuple[int, list[int]]:
+        """(units matched, the pages holding them in order), snapshots or not."""
+        n = self.match_len(hashes)
+        per_page = self.page_size // self.unit
+        return n, [self._entries[hashes[i]][1] for i in range(0, n, per_page)]
+
+    def register(self, hashes: Sequence[bytes], pages: Sequence[int], snapshot: int | None = None) -> int:
+        """Register the units of a computed prefix (``pages`` = the request's pages in order,
+        covering at least ``len(hashes) * unit`` tokens) and, if given, ``snapshot`` as the
+        state after the last unit. Units already present keep their page (the first writer's).
+
+        Returns the number of units now registered along ``hashes`` with their snapshot in
+        place, i.e. ``len(hashes)`` on success. Fails (returns less, takes nothing new and
+        leaves ``snapshot`` with the caller) when the units of a page would name two physical
+        pages (the request wrote after a copy-on-write), when the last unit already has a
+        snapshot, or when the byte budget cannot make room. Without a snapshot nothing is
+        kept (units past the last snapshot are useless)."""
+        if snapshot is None or not hashes:
+            return 0
+        if self.has_snapshot(hashes[-1]):
+            return 0
+        per_page = self.page_size // self.unit
+        protect = set(hashes)
+        while True:
+            # making room may trim units of this chain that only another branch's snapshot
+            # needed, so the units and pages to add are worked out again after each eviction
+            have = self.match_len(hashes)
+            if have < len(hashes) and have % per_page and self._entries[hashes[have - 1]][1] != pages[have // per_page]:
+                return 0  # same-page rule: this request's rows of that page are in another copy (copy-on-write)
+            new_pages = {pages[i // per_page] for i in range(have, len(hashes))} - self._page_units.keys()
+            need = len(new_pages) * self.bytes_per_page + self.bytes_per_snapshot
+            if self.max_bytes is None or self.bytes_held + need <= self.max_bytes:
                 break
-            if page not in self._page_units and not self._make_room(keep=parent):
-                break
-            self._entries[h] = (parent, page, i)
+            if not self.evict_one(protect=protect):
+                return 0
+        parent = hashes[have - 1] if have else None
+        added = []
+        for i in range(have, len(hashes)):
+            h, page = hashes[i], pages[i // per_page]
+            self._entries[h] = [parent, page, i, None]
             self._children[h] = 0
             if parent is not None:
                 self._children[parent] += 1
-                self._lru.pop(parent, None)  # no longer a leaf
-            self._lru[h] = None
             if page not in self._page_units:
                 self.pool.incref([page])
                 self._page_units[page] = 0
             self._page_units[page] += 1
             parent = h
-            added += 1
-        return added
+            added.append(h)
+        self._entries[hashes[-1]][3] = snapshot
+        self._snaps[hashes[-1]] = snapshot
+        self.snapshots_registered += 1
+        if added and self._on_event:
+            self._on_event("stored", added)
+        return len(hashes)
 
-    def _make_room(self, keep: bytes | None) -> bool:
-        while len(self._page_units) >= self.max_pages:
-            victim = next((k for k in self._lru if k != keep), None)
-            if victim is None:
-                return False
-            self._remove(victim)
-        return True
+    def evict_one(self, protect: set | None = None, where=None) -> bool:
+        """Drop the least recently used snapshot (not one of ``protect``'s keys; only slots
+        for which ``where(slot)`` holds, if given) and the units only it needed. False if none."""
+        for key, slot in self._snaps.items():
+            if protect and key in protect:
+                continue
+            if where is not None and not where(slot):
+                continue
+            self._drop_snapshot(key, evict=True)
+            return True
+        return False
 
-    def _remove(self, key: bytes) -> None:
-        parent, page, _ = self._entries.pop(key)
+    def chain_pages(self, key: bytes) -> list[int]:
+        """The pages holding the prefix that ends with unit ``key``, in order."""
+        per_page = self.page_size // self.unit
+        pages: list[int] = []
+        k = key
+        while k is not None:
+            parent, page, depth, _ = self._entries[k]
+            if depth % per_page == 0:
+                pages.append(page)
+            k = parent
+        return pages[::-1]
+
+    def _drop_snapshot(self, key: bytes, evict: bool = False) -> None:
+        if evict and self._on_evict is not None:
+            self._on_evict(key, self._snaps[key], self._entries[key][2] + 1, self.chain_pages(key))
+        slot = self._snaps.pop(key)
+        self._entries[key][3] = None
+        self.snapshots_evicted += 1
+        self._free_snapshot(slot)
+        removed = []
+        while key is not None and self._children[key] == 0 and self._entries[key][3] is None:
+            parent = self._remove_unit(key)
+            removed.append(key)
+            key = parent
+        if removed and self._on_event:
+            self._on_event("removed", removed)
+
+    def _remove_unit(self, key: bytes):
+        parent, page, _, _ = self._entries.pop(key)
         del self._children[key]
-        self._lru.pop(key, None)
         self.evicted += 1
         self._page_units[page] -= 1
         if self._page_units[page] == 0:
@@ -211,24 +303,31 @@ class PrefixIndex:
             self.pool.decref([page])
         if parent is not None:
             self._children[parent] -= 1
-            if self._children[parent] == 0:
-                self._lru[parent] = None  # a leaf again, as old as its evicted child: next out
-                self._lru.move_to_end(parent, last=False)
+        return parent
 
     def evict_all(self) -> None:
-        while self._lru:
-            self._remove(next(iter(self._lru)))
+        while self._snaps:
+            self._drop_snapshot(next(iter(self._snaps)))
 
     def check_invariants(self) -> None:
         counts: dict[int, int] = {}
-        for key, (parent, page, depth) in self._entries.items():
+        kids: dict[bytes, int] = {k: 0 for k in self._entries}
+        for key, (parent, page, depth, snap) in self._entries.items():
             assert parent is None or parent in self._entries, "an entry outlived its parent"
             assert (parent is None) == (depth == 0), "depth and parent disagree"
+            if parent is not None:
+                assert self._entries[parent][2] == depth - 1, "depth is not the parent's + 1"
+                kids[parent] += 1
             counts[page] = counts.get(page, 0) + 1
-            kids = sum(1 for p, _, _ in self._entries.values() if p == key)
-            assert self._children[key] == kids, "child count is off"
-            assert (kids == 0) == (key in self._lru), "LRU holds exactly the leaves"
+            assert (snap is not None) == (key in self._snaps), "snapshot table and entries disagree"
+            if snap is not None:
+                assert self._snaps[key] == snap, "snapshot slot differs between table and entry"
+        assert kids == self._children, "child counts are off"
+        for key in self._entries:
+            assert kids[key] > 0 or self._entries[key][3] is not None, "a leaf unit has no snapshot"
         assert counts == self._page_units, "page use counts are off"
-        assert len(self._page_units) <= self.max_pages, "over the page budget"
+        assert len(set(self._snaps.values())) == len(self._snaps), "a snapshot slot is registered twice"
+        if self.max_bytes is not None:
+            assert self.bytes_held <= self.max_bytes, f"{self.bytes_held} bytes held, budget {self.max_bytes}"
         for p in self._page_units:
             assert self.pool.refcount(p) >= 1, f"page {p} held by the index is free in the pool"

@@ -14,6 +14,11 @@ A slot id is the same index in every KDA layer. Capacity is ``num_slots - 1`` re
 Attention DP: with ``groups > 1`` the ids are cut into equal ranges, one per DP group (the
 slot dim of the pool is split over the mesh's ``"dp"`` axis); each range's first slot is that
 group's scratch slot and ``alloc(group)`` hands out slots of that group only.
+
+Prefix snapshots (issue #6): the last ``snapshots`` slots of each group's range are snapshot
+slots — same arrays, so a registration or a hit is one on-device copy between two slot
+indices. They have their own free list (``alloc_snapshot`` / ``free_snapshot``), so the prefix
+cache can never take a slot a request needs, nor the reverse.
 """
 from __future__ import annotations
 
@@ -23,25 +28,58 @@ SCRATCH = 0
 class SlotPool:
     SCRATCH = SCRATCH
 
-    def __init__(self, num_slots: int, groups: int = 1):
+    def __init__(self, num_slots: int, groups: int = 1, snapshots: int = 0):
         if groups < 1 or num_slots % groups:
             raise ValueError(f"{num_slots} slots do not split into {groups} equal groups")
+        if snapshots < 0 or snapshots % groups:
+            raise ValueError(f"{snapshots} snapshot slots do not split into {groups} equal groups")
         per = num_slots // groups
-        if per < 2:
-            raise ValueError(f"num_slots must be >= 2 per group (the first is the scratch slot), got {num_slots} "
-                             f"for {groups} group(s)")
+        snap = snapshots // groups
+        if per - snap < 2:
+            raise ValueError(f"num_slots must be >= 2 per group beside the snapshot slots (the first is the scratch "
+                             f"slot), got {num_slots} with {snapshots} snapshot slots for {groups} group(s)")
         self.num_slots = int(num_slots)
         self.groups = int(groups)
         self.per_group = per
+        self.snapshots_per_group = snap
         self._used = [False] * self.num_slots
         for g in range(groups):
             self._used[g * per] = True  # each group's scratch slot: permanently taken
         # stacks: a fresh pool hands out 1, 2, ... within each group
-        self._frees = [list(range((g + 1) * per - 1, g * per, -1)) for g in range(groups)]
+        self._frees = [list(range((g + 1) * per - 1 - snap, g * per, -1)) for g in range(groups)]
+        self._snap_frees = [list(range((g + 1) * per - 1, (g + 1) * per - 1 - snap, -1)) for g in range(groups)]
 
     @property
     def capacity(self) -> int:
-        return self.num_slots - self.groups
+        """Request slots (scratch and snapshot slots not counted)."""
+        return self.num_slots - self.groups * (1 + self.snapshots_per_group)
+
+    def is_snapshot(self, slot: int) -> bool:
+        return slot % self.per_group >= self.per_group - self.snapshots_per_group
+
+    @property
+    def num_free_snapshots(self) -> int:
+        return sum(len(f) for f in self._snap_frees)
+
+    @property
+    def num_snapshots_used(self) -> int:
+        return self.groups * self.snapshots_per_group - self.num_free_snapshots
+
+    def alloc_snapshot(self, group: int = 0) -> int | None:
+        free = self._snap_frees[group]
+        if not free:
+            return None
+        s = free.pop()
+        self._used[s] = True
+        return s
+
+    def free_snapshot(self, slot: int) -> None:
+        if not (0 <= slot < self.num_slots and self.is_snapshot(slot)):
+            raise ValueError(f"slot {slot} is not a snapshot slot")
+        if not self._used[slot]:
+            raise ValueError(f"double free of snapshot slot {slot}")
+        self._used[slot] = False
+        self._snap_frees[self.group_of(slot)].append(slot)
 
     @property
     def num_free(self) -> int:
@@ -74,6 +112,8 @@ class SlotPool:
             raise IndexError(f"slot {slot} out of range 0..{self.num_slots - 1}")
         if slot % self.per_group == 0:
             raise ValueError(f"slot {slot} is a scratch slot and is never allocated")
+        if self.is_snapshot(slot):
+            raise ValueError(f"slot {slot} is a snapshot slot (free_snapshot)")
         if not self._used[slot]:
             raise ValueError(f"double free of slot {slot}")
         self._used[slot] = False
@@ -83,11 +123,15 @@ class SlotPool:
         return self._used[slot]
 
     def check_invariants(self) -> None:
-        every = [s for f in self._frees for s in f]
+        every = [s for f in self._frees + self._snap_frees for s in f]
         free = set(every)
         assert len(free) == len(every), "slot free list holds duplicates"
         for g, f in enumerate(self._frees):
-            assert all(self.group_of(s) == g for s in f), f"a slot of another group is on group {g}'s free list"
+            assert all(self.group_of(s) == g and not self.is_snapshot(s) for s in f), \
+                f"a slot of another group or kind is on group {g}'s free list"
+        for g, f in enumerate(self._snap_frees):
+            assert all(self.group_of(s) == g and self.is_snapshot(s) for s in f), \
+                f"a slot of another group or kind is on group {g}'s snapshot free list"
         for s in range(self.num_slots):
             if s % self.per_group == 0:
                 assert s not in free and self._used[s], f"scratch slot {s} is on the free list"

@@ -1,0 +1,161 @@
+"""Prefix caching on a real model: greedy outputs with caching on are token-identical to
+caching off, and the logprobs (log-softmax of the logits) agree within 1e-5 relative in
+fp32, across multi-turn sessions, hits ending inside a page, hits at an interval snapshot,
+second-hit registration, eviction under a small byte budget, concurrent requests sharing a
+prefix in the same step, preemption, and two tenants with the same prompt (no sharing).
+
+One engine with caching on carries its cache from scenario to scenario (as a server would);
+one with caching off is the reference. Both run the same 4-layer K3 (3 KDA + 1 MLA layer)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from _util import tiny_text_checkpoint
+from k3serve.server.engine import Engine
+from k3serve.server.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
+KW = dict(max_num_seqs=4, max_num_batched_tokens=48, chunk_size=16, page_size=8, max_model_len=160,
+          warmup=False, num_pages=64, page_buckets=[20])
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    from k3serve.model import load_pretrained
+
+    model = load_pretrained(tiny_text_checkpoint(tmp_path_factory.mktemp("ckpt")), dtype="float32")
+    on = Engine(model, **KW)  # prefix caching is on by default
+    off = Engine(model, enable_prefix_caching=False, **KW)
+    assert on.prefix is not None and on.prefix.unit == 4 and off.prefix is None
+    return on, off
+
+
+def _run(eng, reqs):
+    """reqs: [(prompt, kwargs)] added together; returns the finished outputs in order."""
+    rids = [eng.add_request(p, GREEDY, **kw) for p, kw in reqs]
+    done, steps = {}, 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.rid] = out
+        steps += 1
+        assert steps < 500
+    return [done[r] for r in rids]
+
+
+def _same(engines, reqs):
+    """Run ``reqs`` on both engines; assert identical tokens and close logprobs; return the
+    caching-on outputs."""
+    on, off = engines
+    got, want = _run(on, reqs), _run(off, reqs)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        a = np.array([[lp] + [x for _, x in top] for lp, top in g.logprobs])
+        b = np.array([[lp] + [x for _, x in top] for lp, top in w.logprobs])
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), np.abs(a - b).max()
+    on.check_invariants()
+    return got
+
+
+def _toks(rng, n):
+    return [rng.randrange(5, 4000) for _ in range(n)]
+
+
+def test_multi_turn_session_resumes_from_the_last_turn(engines):
+    on, _ = engines
+    rng = random.Random(0)
+    conv = _toks(rng, 37)
+    for turn in range(3):
+        (out,) = _same(engines, [(conv, {})])
+        if turn:
+            # resumed after the previous turn's output (output-end snapshot), at most a unit +
+            # the new message behind
+            assert out.cached_tokens >= len(conv) - 8 - 4, (turn, out.cached_tokens, len(conv))
+        conv = conv + out.token_ids + _toks(rng, 5)
+    assert on.stats()["prefix_hits"] >= 2
+
+
+def test_hit_ending_inside_a_page_copies_the_tail(engines):
+    on, _ = engines
+    rng = random.Random(1)
+    p = _toks(rng, 23)  # prompt end boundary at 20: inside the third 8-token page
+    _same(engines, [(p, {})])
+    cow = on.stats()["prefix_cow_pages"]
+    (out,) = _same(engines, [(p + _toks(rng, 9), {})])
+    assert out.cached_tokens == 20 and on.stats()["prefix_cow_pages"] == cow + 1
+
+
+def test_interval_snapshot_and_second_hit(engines):
+    on, _ = engines
+    rng = random.Random(2)
+    shared = _toks(rng, 42)
+    on.prefix.interval = 16
+    try:
+        _same(engines, [(shared + _toks(rng, 10), {})])
+        (b,) = _same(engines, [(shared + _toks(rng, 10), {})])
+        assert b.cached_tokens == 32  # the interval snapshot at 32 (the branch point 40 was never registered)
+    finally:
+        on.prefix.interval = 0
+    # the branch point at 40 was seen by the second request: it registered it (second hit)
+    (c,) = _same(engines, [(shared + _toks(rng, 10), {})])
+    assert c.cached_tokens == 40
+
+
+def test_concurrent_requests_share_a_prefix_computed_once(engines):
+    on, _ = engines
+    rng = random.Random(3)
+    shared = _toks(rng, 50)
+    before = on.stats()
+    outs = _same(engines, [(shared + _toks(rng, 6), {}) for _ in range(4)])
+    after = on.stats()
+    assert after["prefix_waits"] > before["prefix_waits"]
+    assert sorted(o.cached_tokens for o in outs) == [0, 48, 48, 48]
+
+
+def test_two_tenants_share_nothing(engines):
+    on, _ = engines
+    rng = random.Random(4)
+    p = _toks(rng, 30)
+    a, = _same(engines, [(p, {"cache_salt": "tenant-a"})])
+    b, = _same(engines, [(p, {"cache_salt": "tenant-b"})])
+    c, = _same(engines, [(p, {"cache_salt": "tenant-a"})])
+    d, = _same(engines, [(p, {"api_key": "key-1"})])
+    assert (a.cached_tokens, b.cached_tokens, c.cached_tokens, d.cached_tokens) == (0, 0, 28, 0)
+
+
+def test_evicted_prefix_reloads_from_host(engines):
+    """A prefix evicted from the device goes to the host tier and a later request reloads it
+    (the host hit is longer than any device hit), then it is registered on the device again."""
+    on, _ = engines
+    rng = random.Random(6)
+    p = _toks(rng, 45)
+    _same(engines, [(p, {})])
+    st = on.stats()
+    assert on.prefix.host is not None
+    while on.prefix.index.evict_one():  # what page pressure does, all at once
+        pass
+    assert on.stats()["prefix_host_offloads"] > st["prefix_host_offloads"]
+    (out,) = _same(engines, [(p + _toks(rng, 7), {})])
+    st2 = on.stats()
+    assert out.cached_tokens >= 40 and st2["prefix_host_reloads"] == st["prefix_host_reloads"] + 1, st2
+    assert st2["prefix_host_hit_tokens"] >= 40
+    (again,) = _same(engines, [(p + _toks(rng, 3), {})])  # now a device hit
+    assert again.cached_tokens >= 40 and on.stats()["prefix_host_reloads"] == st2["prefix_host_reloads"]
+
+
+def test_eviction_under_pressure_and_preemption(engines):
+    """Four long requests need more pages than the pool has beside the cached prefixes:
+    the prefix cache gives its pages back first, then requests are preempted and resume."""
+    on, off = engines
+    rng = random.Random(5)
+    _same(engines, [(_toks(rng, 60), {}) for _ in range(2)])  # something cached to give back
+    ev, pre = on.stats()["snapshots_evicted"], on.stats()["num_preemptions"]
+    _same(engines, [(_toks(rng, 128 + 3 * i), {}) for i in range(4)])  # 4 x 17-18 pages > 64
+    st = on.stats()
+    assert st["snapshots_evicted"] > ev and st["num_preemptions"] > pre, st
+    on.flush_prefix_cache()
+    on.check_invariants()
+    assert on.stats()["free_pages"] == on.plan.num_pages
