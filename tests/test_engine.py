@@ -66,17 +66,18 @@ def test_batched_greedy_equals_golden_and_model(engine_a):
 def test_preemption_with_tiny_page_budget():
     """8-token pages, 2 rows, 9 pages in all: requests preempt each other and recompute,
     and every output still equals the golden greedy continuation. Two page-table widths
-    (4 and 8 pages) are compiled and both are used."""
+    (4 and 8 pages) are used; only the shapes used are compiled (no warm-up, to save time)."""
     base, expect = _prompts()
     eng = Engine(load_case(CASE), max_num_seqs=2, max_num_batched_tokens=24, chunk_size=8, page_size=8,
-                 max_model_len=64, num_pages=9, page_buckets=[4])
+                 max_model_len=64, num_pages=9, page_buckets=[4], warmup=False)
     outs = _run(eng, base, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == expect
     assert eng.stats()["num_preemptions"] > 0
     assert eng.scheduler.running == [] and eng.scheduler.waiting == []
     _assert_all_free(eng)
     assert eng.runner.page_buckets == [4, 8]
-    assert eng.stats()["num_compiles"] == len(eng.runner.shape_buckets()) == 8
+    assert len(eng.runner.shape_buckets()) == 8
+    assert eng.stats()["num_compiles"] == len(eng.runner.shapes_used) <= 8
     assert {P for _, _, P in eng.runner.shapes_used} == {4, 8}
 
 
@@ -159,6 +160,7 @@ def test_async_scheduling_overlaps_and_matches_sync(engine_a):
     try:
         for mode in (False, True):
             eng.async_scheduling = mode
+            eng.flush_prefix_cache()  # both modes compute the same prompts from scratch
             events.clear()
             rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
             done = {}

@@ -318,7 +318,7 @@ def test_grpcurl_by_reflection(served):
     assert [int(t) for t in ids] == expect[0]
 
 
-def test_tls(tmp_path):
+def test_tls(tmp_path, served):
     import shutil
     import subprocess
 
@@ -328,10 +328,10 @@ def test_tls(tmp_path):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
                     "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
                    check=True, capture_output=True)
-    loop = EngineLoop(_engine(warmup=False))
+    # a second (TLS) server in front of the module's engine loop: no second engine to compile
     server = GrpcServer(Servicer(model_dir=DATA / CASE), host="127.0.0.1", port=0, tls_cert=str(cert),
                         tls_key=str(key))
-    server.set_ready(loop)
+    server.set_ready(served.loop)
     try:
         creds = grpc.ssl_channel_credentials(cert.read_bytes())
         with grpc.secure_channel(f"127.0.0.1:{server.port}", creds) as ch:
@@ -342,7 +342,7 @@ def test_tls(tmp_path):
             with pytest.raises(grpc.RpcError):
                 pb_grpc.SglangSchedulerStub(ch).HealthCheck(pb.HealthCheckRequest(), timeout=5)
     finally:
-        server.shutdown(grace_s=5)
+        server.server.stop(0).wait(10)  # the loop belongs to the module fixture: keep it running
 
 
 def test_prefix_cache_over_grpc(served):

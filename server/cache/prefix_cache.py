@@ -6,7 +6,10 @@ tokens (a snapshot). MLA rows can be kept for every token; KDA state only where 
 out — at **boundaries** (multiples of the prefix-match unit) chosen by the retention policies:
 
 * **prompt end** — the last boundary strictly before the end of each prompt (strictly, so a
-  resend of the same prompt hits it and still computes one token for its logits);
+  resend of the same prompt hits it and still computes one token for its logits), and the
+  last *page* boundary before it: the next turn often diverges a few tokens before the old
+  prompt's end (a chat template re-renders the generation prompt or drops old reasoning;
+  block-granular traces replace the partial last block), and that snapshot still matches;
 * **output end** — while a request decodes, its state is copied into one private "tail"
   snapshot at every unit boundary; when it finishes, the last one is registered. The next
   turn of a conversation (prompt + this output + a new message) resumes from there;
@@ -207,18 +210,22 @@ class PrefixCache:
     def prompt_end(self, req) -> int:
         return (len(req.prompt) - 1) // self.unit * self.unit
 
+    def prompt_page_end(self, req) -> int:
+        ps = self.mgr.page_size
+        return (len(req.prompt) - 1) // ps * ps
+
     def is_boundary(self, req, pos: int) -> bool:
         if pos <= 0 or pos % self.unit:
             return False
-        return (pos == self.prompt_end(req) or (self.interval and pos % self.interval == 0)
-                or pos in req.boundaries)
+        return (pos == self.prompt_end(req) or pos == self.prompt_page_end(req)
+                or (self.interval and pos % self.interval == 0) or pos in req.boundaries)
 
     def next_boundary(self, req, pos: int) -> int | None:
         """The first boundary after ``pos`` (where a prefill chunk starting at ``pos`` must stop)."""
         cands = [b for b in req.boundaries if b > pos]
-        pe = self.prompt_end(req)
-        if pe > pos:
-            cands.append(pe)
+        for pe in (self.prompt_page_end(req), self.prompt_end(req)):
+            if pe > pos:
+                cands.append(pe)
         if self.interval:
             cands.append((pos // self.interval + 1) * self.interval)
         return min(cands) if cands else None
