@@ -209,6 +209,8 @@ class Engine:
         if self.prefix is not None:
             self.prefix.events.publish()  # this step's stored/removed blocks, one numbered batch
             self.prefix_bytes_peak = max(self.prefix_bytes_peak, self.prefix.bytes_held())
+            if self.prefix.host is not None:
+                self.prefix.host.drain()  # finished offload copies: device arrays -> host memory
         outputs = []
         for req in touched.values():
             new = req.output[req.emitted:]

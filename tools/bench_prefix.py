@@ -67,7 +67,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     from k3serve.model import load_pretrained
+    from k3serve.server.cli import _enable_compile_cache
     from k3serve.tools.gen_agentic_trace import generate_trace, trace_summary
+
+    _enable_compile_cache()  # the serve command's persistent XLA cache: a second run starts warm
 
     if a.model == "demo":
         from k3serve.checkpoints.synthetic import demo_checkpoint

@@ -25,20 +25,26 @@ class HostEntry:
     tokens: int  # prefix length (a unit multiple)
     state: object  # [nK, H, dk, dv] (np.ndarray once drained, a device array before)
     conv: object  # [nK, W-1, 3P]
-    rows: object  # [nM, tokens, width] MLA latent rows of the whole prefix
+    rows: object  # [nM, tokens, width] MLA latent rows of the whole prefix (before draining: the
+    #               gathered pages [nM, P', page_size, width], P' padded to a power of two)
     nbytes: int
 
     def ready(self) -> bool:
         return all(isinstance(a, np.ndarray) or a.is_ready() for a in (self.state, self.conv, self.rows))
 
     def to_host(self) -> None:
-        self.state, self.conv, self.rows = (np.asarray(a) for a in (self.state, self.conv, self.rows))
+        if isinstance(self.rows, np.ndarray):
+            return
+        self.state, self.conv = np.asarray(self.state), np.asarray(self.conv)
+        r = np.asarray(self.rows)
+        self.rows = np.ascontiguousarray(r.reshape(r.shape[0], -1, r.shape[-1])[:, : self.tokens])
 
 
 class HostTier:
     def __init__(self, max_bytes: int):
         self.max_bytes = int(max_bytes)
         self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()
+        self._pending: list[HostEntry] = []  # entries whose copies are still device arrays
         self.bytes_held = 0
         self.offloaded = 0  # entries written
         self.reloaded = 0  # hits served from here
@@ -62,6 +68,7 @@ class HostTier:
             self.bytes_held -= old.nbytes
             self.evicted += 1
         self._entries[key] = entry
+        self._pending.append(entry)
         self.bytes_held += entry.nbytes
         self.offloaded += 1
         return True
@@ -81,12 +88,19 @@ class HostTier:
 
     def drain(self) -> None:
         """Move finished offload copies to host memory (device memory is given back)."""
-        for e in self._entries.values():
-            if not isinstance(e.rows, np.ndarray) and e.ready():
+        keep = []
+        for e in self._pending:
+            if isinstance(e.rows, np.ndarray):
+                continue
+            if e.ready():
                 e.to_host()
+            else:
+                keep.append(e)
+        self._pending = keep
 
     def clear(self) -> None:
         self._entries.clear()
+        self._pending.clear()
         self.bytes_held = 0
 
     def check_invariants(self) -> None:

@@ -234,13 +234,20 @@ class CacheManager:
         self.num_copies += n
         return n
 
-    def read_prefix(self, slot: int, pages: list[int], tokens: int):
-        """(state, conv, rows) device arrays of snapshot ``slot`` and the first ``tokens`` rows of
-        ``pages`` — dispatched now, so they read what those hold after every launched step."""
-        c = self.cache
-        rows = c.mla_kv[:, jnp.asarray(pages, jnp.int32)]  # [nM, P, ps, W]
-        rows = rows.reshape(rows.shape[0], -1, rows.shape[-1])[:, :tokens]
-        return c.kda_state[:, slot], c.kda_conv[:, slot], rows
+    def read_prefix(self, slot: int, pages: list[int]):
+        """(state, conv, rows) device arrays of snapshot ``slot`` and of ``pages`` (rows
+        ``[nM, P', page_size, W]``, the page count padded to a power of two with repeats) —
+        dispatched now, so they read what those hold after every launched step. One program
+        per power of two."""
+        k = 1 << (len(pages) - 1).bit_length()
+        idx = jnp.asarray(list(pages) + [pages[0]] * (k - len(pages)), jnp.int32)
+        fn = self._copy_fns.get("read")
+        if fn is None:
+            import jax
+
+            fn = self._copy_fns["read"] = jax.jit(
+                lambda cache, slot, idx: (cache.kda_state[:, slot], cache.kda_conv[:, slot], cache.mla_kv[:, idx]))
+        return fn(self.cache, jnp.int32(slot), idx)
 
     def write_prefix(self, rid: Hashable, rows, state, conv) -> None:
         """Write a reloaded prefix into ``rid``'s pages (which must cover its rows) and slot."""

@@ -125,8 +125,9 @@ class PrefixCache:
         if self.mgr.cache is None:
             return
         tokens = units * self.unit
-        state, conv, rows = self.mgr.read_prefix(slot, pages, tokens)
-        nbytes = sum(int(a.size) * a.dtype.itemsize for a in (state, conv, rows))
+        state, conv, rows = self.mgr.read_prefix(slot, pages)
+        row_bytes = rows.shape[0] * rows.shape[-1] * rows.dtype.itemsize
+        nbytes = sum(int(a.size) * a.dtype.itemsize for a in (state, conv)) + tokens * row_bytes
         self.host.put(key, HostEntry(tokens, state, conv, rows, nbytes))
 
     # ------------------------------------------------------------------ admission
