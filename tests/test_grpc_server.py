@@ -121,7 +121,7 @@ def test_info_health_reflection_tokenizer(served):
     mi = stub.GetModelInfo(pb.GetModelInfoRequest())
     assert mi.vocab_size == V and mi.max_context_length == 128 and mi.is_generation and mi.model_type == "kimi_k3"
     si = stub.GetServerInfo(pb.GetServerInfoRequest())
-    assert si.server_args["max_running_requests"] == 4 and si.max_total_num_tokens == 40 * 16
+    assert si.server_args["max_running_requests"] == 4 and si.max_total_num_tokens == 48 * 16
     assert si.server_args["tp_size"] == 1 and si.server_type == "grpc"
     loads = stub.GetLoads(pb.GetLoadsRequest())
     assert loads.loads[0].max_running_requests == 4 and loads.loads[0].num_running_reqs == 0
@@ -186,7 +186,7 @@ def test_bad_inputs_are_refused_and_change_nothing(served):
         assert e.value.code() == getattr(grpc.StatusCode, code), (i, e.value.details())
         assert e.value.details()
     # a duplicate request id while the first is in flight
-    first = served.stub.Generate(_req(base[0], rid="dup", max_new=40), timeout=120)
+    first = served.stub.Generate(_req(base[0], rid="dup", max_new=80), timeout=120)  # long: still running
     next(first)
     with pytest.raises(grpc.RpcError) as e:
         _collect(served.stub, _req(ok, rid="dup"))

@@ -52,12 +52,17 @@ def _cfg():
                                           intermediate_size=16, attn_res_block_size=2))
 
 
-@pytest.mark.parametrize("seed,interval,budget_pages", [(0, 0, None), (1, 8, 12), (2, 4, 6)])
-def test_prefix_cache_randomized_against_shadow(seed, interval, budget_pages):
+@pytest.mark.parametrize("seed,interval,budget_pages,dp,dcp", [(0, 0, None, 1, 1), (1, 8, 12, 1, 1), (2, 4, 6, 1, 1),
+                                                               (3, 0, None, 2, 2)])
+def test_prefix_cache_randomized_against_shadow(seed, interval, budget_pages, dp, dcp):
+    """(dp, dcp) = (2, 2): two attention-DP groups with two DCP ranks each; a hit must join
+    the group and DCP rank order of the pages it maps (checked by the manager's invariants:
+    page k of every request in block group * dcp + (k + rank0) % dcp)."""
     rng = random.Random(seed)
     cfg = _cfg()
     ps, unit = 8, 4
-    cplan = plan_capacity(cfg, page_size=ps, dtype="float32", max_num_seqs=4, num_pages=40, snapshot_slots=16)
+    cplan = plan_capacity(cfg, page_size=ps, dtype="float32", max_num_seqs=4, num_pages=40, snapshot_slots=16,
+                          dp=dp, dcp=dcp)
     mgr = ShadowManager(cfg, cplan, "float32")
     max_bytes = None if budget_pages is None else budget_pages * cplan.bytes_per_page + 3 * cplan.bytes_per_slot
     pc = PrefixCache(mgr, unit=unit, interval=interval, max_bytes=max_bytes)

@@ -18,8 +18,8 @@ from k3serve.server.engine import Engine
 from k3serve.server.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
-KW = dict(max_num_seqs=4, max_num_batched_tokens=48, chunk_size=16, page_size=8, max_model_len=160,
-          warmup=False, num_pages=64, page_buckets=[20])
+KW = dict(max_num_seqs=2, max_num_batched_tokens=48, chunk_size=16, page_size=8, max_model_len=160,
+          warmup=False, num_pages=32, page_buckets=[20])
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_eviction_under_pressure_and_preemption(engines):
     rng = random.Random(5)
     _same(engines, [(_toks(rng, 60), {}) for _ in range(2)])  # something cached to give back
     ev, pre = on.stats()["snapshots_evicted"], on.stats()["num_preemptions"]
-    _same(engines, [(_toks(rng, 128 + 3 * i), {}) for i in range(4)])  # 4 x 17-18 pages > 64
+    _same(engines, [(_toks(rng, 128 + 3 * i), {}) for i in range(4)])  # 2 rows x 17-18 pages > 32
     st = on.stats()
     assert st["snapshots_evicted"] > ev and st["num_preemptions"] > pre, st
     on.flush_prefix_cache()

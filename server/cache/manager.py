@@ -188,6 +188,11 @@ class CacheManager:
         block = self.pages.block_of(page)
         return block // self.dcp, (block % self.dcp - k) % self.dcp
 
+    def placement_of(self, rid: Hashable) -> tuple[int, int]:
+        """(group, rank0) of ``rid``: where its page k lives is block group * dcp + (k + rank0) % dcp."""
+        req = self._req(rid)
+        return req.group, req.rank0
+
     def map_shared(self, rid: Hashable, pages: list[int]) -> None:
         """Map already-written ``pages`` (read-only, refcounted) as ``rid``'s first pages."""
         req = self._req(rid)

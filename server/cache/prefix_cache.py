@@ -288,6 +288,13 @@ class PrefixCache:
                 else:
                     keep.append((end, slot, is_tail))
                 continue
+            if self.mgr.dp * self.mgr.dcp > 1:
+                # under DP/DCP a chain keeps one placement: a request that computed a cached
+                # prefix elsewhere (its hit's DP group was full) cannot extend that chain
+                have, cached = self.index.match(hashes[:units])
+                if have and self.mgr.placement_of_page(cached[0], 0) != self.mgr.placement_of(req.rid):
+                    self.mgr.slots.free_snapshot(slot)
+                    continue
             self._ctx_tokens = req.tokens
             try:
                 ok = self.index.register(hashes[:units], self.mgr.pages_of(req.rid), slot) == units
