@@ -127,6 +127,37 @@ def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = N
                      dp=dp, dcp=dcp, snapshot_slots=snap)
 
 
+def _pow2(xs) -> list:
+    """``xs`` padded to a power-of-two length with repeats of its first element."""
+    xs = list(xs)
+    return xs + [xs[0]] * ((1 << (len(xs) - 1).bit_length()) - len(xs))
+
+
+def _copy_pages(cache, src, dst):
+    kv = cache.mla_kv
+    return dataclasses.replace(cache, mla_kv=kv.at[:, dst].set(kv[:, src]))
+
+
+def _copy_slots(cache, src, dst):
+    st, cv = cache.kda_state, cache.kda_conv
+    return dataclasses.replace(cache, kda_state=st.at[:, dst].set(st[:, src]), kda_conv=cv.at[:, dst].set(cv[:, src]))
+
+
+def _load_prefix(cache, idx, rows, slot, state, conv):
+    return dataclasses.replace(cache, mla_kv=cache.mla_kv.at[:, idx].set(rows.astype(cache.mla_kv.dtype)),
+                               kda_state=cache.kda_state.at[:, slot].set(state),
+                               kda_conv=cache.kda_conv.at[:, slot].set(conv))
+
+
+def _read_prefix(cache, slot, idx):
+    return cache.kda_state[:, slot], cache.kda_conv[:, slot], cache.mla_kv[:, idx]
+
+
+# name -> (body, returns the cache): the small device programs of prefix caching
+_PROGRAMS = {"pages": (_copy_pages, True), "slots": (_copy_slots, True), "load": (_load_prefix, True),
+             "read": (_read_prefix, False)}
+
+
 @dataclasses.dataclass
 class _Request:
     slot: int
@@ -230,11 +261,11 @@ class CacheManager:
             return n
         if self._page_copies:
             src, dst = zip(*self._page_copies)
-            self.cache = self._copy_fn("pages")(self.cache, *self._pad(src, dst))
+            self.cache = self._program("pages")(self.cache, *self._pad(src, dst))
             self._page_copies.clear()
         if self._slot_copies:
             src, dst = zip(*self._slot_copies)
-            self.cache = self._copy_fn("slots")(self.cache, *self._pad(src, dst))
+            self.cache = self._program("slots")(self.cache, *self._pad(src, dst))
             self._slot_copies.clear()
         self.num_copies += n
         return n
@@ -244,15 +275,7 @@ class CacheManager:
         ``[nM, P', page_size, W]``, the page count padded to a power of two with repeats) —
         dispatched now, so they read what those hold after every launched step. One program
         per power of two."""
-        k = 1 << (len(pages) - 1).bit_length()
-        idx = jnp.asarray(list(pages) + [pages[0]] * (k - len(pages)), jnp.int32)
-        fn = self._copy_fns.get("read")
-        if fn is None:
-            import jax
-
-            fn = self._copy_fns["read"] = jax.jit(
-                lambda cache, slot, idx: (cache.kda_state[:, slot], cache.kda_conv[:, slot], cache.mla_kv[:, idx]))
-        return fn(self.cache, jnp.int32(slot), idx)
+        return self._program("read")(self.cache, jnp.int32(slot), jnp.asarray(_pow2(pages), jnp.int32))
 
     def write_prefix(self, rid: Hashable, rows, state, conv) -> None:
         """Write a reloaded prefix into ``rid``'s pages (which must cover its rows) and slot."""
@@ -265,48 +288,28 @@ class CacheManager:
         pad = np.zeros((rows.shape[0], P * self.page_size, rows.shape[2]), rows.dtype)
         pad[:, :n] = rows
         pad = pad.reshape(rows.shape[0], P, self.page_size, rows.shape[2])
-        k = 1 << (P - 1).bit_length()  # pad the page count to a power of two (repeat page 0: same write)
-        idx = np.asarray(pages + [pages[0]] * (k - P), np.int32)
-        pad = np.concatenate([pad, np.repeat(pad[:, :1], k - P, axis=1)], axis=1)
+        idx = _pow2(pages)  # the page count padded to a power of two (repeats of page 0: the same write)
+        pad = pad[:, _pow2(list(range(P)))]
         self.flush_copies()
-        fn = self._copy_fns.get("load")
-        if fn is None:
-            import jax
-
-            def load(cache, idx, rows, slot, state, conv):
-                return dataclasses.replace(cache, mla_kv=cache.mla_kv.at[:, idx].set(rows.astype(cache.mla_kv.dtype)),
-                                           kda_state=cache.kda_state.at[:, slot].set(state),
-                                           kda_conv=cache.kda_conv.at[:, slot].set(conv))
-
-            shardings = jax.tree.map(lambda a: a.sharding, self.cache)
-            fn = self._copy_fns["load"] = jax.jit(load, donate_argnums=0, out_shardings=shardings)
-        self.cache = fn(self.cache, jnp.asarray(idx), jnp.asarray(pad), jnp.int32(req.slot), jnp.asarray(state),
-                        jnp.asarray(conv))
+        self.cache = self._program("load")(self.cache, jnp.asarray(idx, jnp.int32), jnp.asarray(pad),
+                                           jnp.int32(req.slot), jnp.asarray(state), jnp.asarray(conv))
 
     @staticmethod
     def _pad(src, dst):
         """Pad to a power of two with repeats of the first copy (identical writes, defined)."""
-        n = 1 << (len(src) - 1).bit_length()
-        src, dst = list(src) + [src[0]] * (n - len(src)), list(dst) + [dst[0]] * (n - len(dst))
-        return jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
+        return jnp.asarray(_pow2(src), jnp.int32), jnp.asarray(_pow2(dst), jnp.int32)
 
-    def _copy_fn(self, kind: str):
-        fn = self._copy_fns.get(kind)
+    def _program(self, name: str):
+        """The jitted cache program ``name`` (``_PROGRAMS``), built once. Programs that return
+        a cache donate it and keep the layout the step expects (its shardings)."""
+        fn = self._copy_fns.get(name)
         if fn is None:
             import jax
 
-            def pages(cache, src, dst):
-                kv = cache.mla_kv
-                return dataclasses.replace(cache, mla_kv=kv.at[:, dst].set(kv[:, src]))
-
-            def slots(cache, src, dst):
-                st, cv = cache.kda_state, cache.kda_conv
-                return dataclasses.replace(cache, kda_state=st.at[:, dst].set(st[:, src]),
-                                           kda_conv=cv.at[:, dst].set(cv[:, src]))
-
-            shardings = jax.tree.map(lambda a: a.sharding, self.cache)  # keep the layout the step expects
-            fn = jax.jit(pages if kind == "pages" else slots, donate_argnums=0, out_shardings=shardings)
-            self._copy_fns[kind] = fn
+            body, writes = _PROGRAMS[name]
+            fn = (jax.jit(body, donate_argnums=0, out_shardings=jax.tree.map(lambda a: a.sharding, self.cache))
+                  if writes else jax.jit(body))
+            self._copy_fns[name] = fn
         return fn
 
     def block_for(self, req: _Request, k: int) -> int:

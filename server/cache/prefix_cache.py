@@ -322,8 +322,6 @@ class PrefixCache:
     def reclaim(self, group: int | None = None) -> bool:
         """Evict the least recently used snapshot (and the pages only it needed); False if none.
         ``group``: only one of that DP group (whose pages a request of that group needs)."""
-        if self.host is not None:
-            self.host.drain()
         if group is None or self.mgr.dp == 1:
             return self.index.evict_one()
         slots = self.mgr.slots
