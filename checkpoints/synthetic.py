@@ -456,8 +456,9 @@ def generate_checkpoint(
 
 def default_cache_dir() -> Path:
     """``$K3SERVE_CACHE`` or ``~/.cache/k3serve``."""
-    env = os.environ.get("K3SERVE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "k3serve"
+    from ..compile_cache import cache_root
+
+    return cache_root()
 
 
 def demo_checkpoint_name(config: dict | None = None, seed: int = DEMO_SEED) -> str:
@@ -488,7 +489,7 @@ def demo_checkpoint(cache_dir: str | os.PathLike | None = None, *, seed: int = D
     try:
         generate_checkpoint(tmp, copy.deepcopy(config), seed)
         try:  # the demo tokenizer (sentencepiece, trained in ~2 s); ids-only use needs none
-            from k3serve.tools.train_demo_tokenizer import write_demo_tokenizer
+            from ..server.text.demo_tokenizer import write_demo_tokenizer
 
             write_demo_tokenizer(tmp)
         except ImportError as e:
@@ -504,3 +505,8 @@ def demo_checkpoint(cache_dir: str | os.PathLike | None = None, *, seed: int = D
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def model_or_demo(model: str | os.PathLike | None) -> Path:
+    """``model`` as a path, or the embedded demo checkpoint (built on first use) when None."""
+    return Path(model) if model else demo_checkpoint()

@@ -1,1 +1,4 @@
-"""Serving: engine, gRPC services, CLI (the engine arrives with later issues)."""
+"""Serving, above the model: ``engine/`` (the inference core: scheduler, runner, sampler,
+cache), ``api/`` (the gRPC process around an engine), ``text/`` (tokenizers, chat rendering),
+``client/`` (gRPC client, trace replay, trace generator), ``bench/`` (in-process benchmarks)
+and ``cli.py`` (the ``k3serve`` command)."""

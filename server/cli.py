@@ -6,8 +6,8 @@ Subcommands:
   plan       memory per device and max concurrent requests for parallelism recipes
   serve      serve a checkpoint over gRPC (SGLang scheduler protocol, health, reflection)
   bench      ``bench --server HOST:PORT --trace T.jsonl``: replay a Mooncake trace over gRPC
-             (server/bench.py); ``bench offline``: engine throughput at several concurrencies
-             (tools/bench_offline.py)
+             (server/client/replay.py); ``bench offline``: engine throughput at several
+             concurrencies; ``bench prefix``: the agentic trace with prefix caching on and off
 
 Compiled programs are cached on disk (``$K3SERVE_CACHE/jax``, default
 ``~/.cache/k3serve/jax``) so a second start skips XLA compilation.
@@ -23,25 +23,10 @@ import time
 from pathlib import Path
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("K3SERVE_CACHE") or Path.home() / ".cache" / "k3serve")
-
-
-def _enable_compile_cache() -> None:
-    import jax
-
-    path = _cache_root() / "jax"
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
 def _model_dir(args) -> Path:
-    if args.model:
-        return Path(args.model)
-    from ..checkpoints.synthetic import demo_checkpoint
+    from ..checkpoints.synthetic import model_or_demo
 
-    return demo_checkpoint()
+    return model_or_demo(args.model)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -56,7 +41,7 @@ def _parse_ids(text: str) -> list[int]:
 
 def cmd_generate_remote(args) -> int:
     """Stream a completion from a running server (text via the server's own tokenizer)."""
-    from .client import Client
+    from .client.client import Client
 
     with Client(args.server, api_key=args.api_key) as c:
         tok = None
@@ -69,7 +54,7 @@ def cmd_generate_remote(args) -> int:
             if tok is None:
                 raise SystemExit("the server has no tokenizer: use --ids")
             if args.chat:
-                from .chat import encode_chat
+                from .text.chat import encode_chat
 
                 ids = encode_chat(tok, [{"role": "user", "content": args.text}], thinking=args.thinking)
             else:
@@ -104,7 +89,9 @@ def cmd_generate_remote(args) -> int:
 def cmd_generate(args) -> int:
     if args.server:
         return cmd_generate_remote(args)
-    _enable_compile_cache()
+    from ..compile_cache import enable_compile_cache
+
+    enable_compile_cache()
     from ..model import load_pretrained
 
     path = _model_dir(args)
@@ -153,162 +140,31 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .api.serve import serve
+
+    return serve(args)
+
+
 def cmd_bench(args) -> int:
     rest = list(args.rest)
     if rest and rest[0] == "offline":
-        from ..tools import bench_offline
+        from .bench import offline as bench_offline
 
         return bench_offline.main(rest[1:])
     if rest and rest[0] == "prefix":
-        from ..tools import bench_prefix
+        from .bench import prefix as bench_prefix
 
         return bench_prefix.main(rest[1:])
-    from .bench import bench_main
+    from .client.replay import bench_main
 
     return bench_main(rest)
-
-
-def cmd_serve(args) -> int:
-    """Serve a checkpoint over gRPC until SIGTERM/SIGINT (then drain and exit 0)."""
-    import signal
-    import threading
-
-    _enable_compile_cache()
-    from .grpc_service import GrpcServer, Servicer
-    from .metrics import Metrics
-
-    path = _model_dir(args)
-    metrics = Metrics()
-    servicer = Servicer(model_dir=path, served_model_name=args.served_model_name or path.name, metrics=metrics)
-    server = GrpcServer(servicer, host=args.host, port=args.port, api_key=args.api_key, tls_cert=args.tls_cert,
-                        tls_key=args.tls_key, max_message_bytes=args.max_message_mb << 20,
-                        max_workers=args.max_concurrent_rpcs + 8)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    print(f"k3serve: gRPC on {args.host}:{server.port} (NOT_SERVING while loading {path})", flush=True)
-    if args.metrics_port >= 0:
-        mport = metrics.serve_http(args.metrics_host, args.metrics_port)
-        print(f"k3serve: Prometheus metrics on http://{args.metrics_host}:{mport}/metrics", flush=True)
-    # load + warm up on a worker thread: the main thread stays in Python, so SIGTERM/SIGINT
-    # are handled at once even while XLA compiles
-    box: dict = {}
-
-    def load():
-        try:
-            box["loop"] = _start_engine(args, path, metrics)
-        except BaseException as e:  # reported by the main thread
-            box["error"] = e
-
-    loader = threading.Thread(target=load, name="k3serve-load", daemon=True)
-    loader.start()
-    while loader.is_alive() and not stop.wait(0.2):
-        pass
-    if stop.is_set() and loader.is_alive():
-        print("k3serve: stopped while loading", flush=True)
-        server.server.stop(0)
-        metrics.close()
-        os._exit(0)  # the loader thread cannot be interrupted inside XLA
-    if "error" in box:
-        server.server.stop(0)
-        metrics.close()
-        print(f"k3serve: failed to load {path}: {box['error']!r}", file=sys.stderr, flush=True)
-        return 1
-    loop = box["loop"]
-    if not stop.is_set():
-        server.set_ready(loop)
-        st = loop.stats()
-        print(f"k3serve: SERVING {path.name}: max_num_seqs {args.max_num_seqs}, KV {st['max_tokens_in_kv']} tokens "
-              f"({st['max_concurrent_slots']} KDA slots), warm-up {st['warmup_s']:.1f}s, "
-              f"{st['num_compiles']} programs", flush=True)
-    while not stop.wait(0.5):
-        if loop.error is not None:
-            print(f"k3serve: engine failed: {loop.error!r}", file=sys.stderr, flush=True)
-            server.shutdown(0)
-            return 1
-    print("k3serve: shutting down (draining in-flight requests)", flush=True)
-    aborted = server.shutdown(args.grace_period)
-    metrics.close()
-    print(f"k3serve: stopped ({aborted} requests aborted at the deadline)", flush=True)
-    return 0
-
-
-def _start_engine(args, path, metrics):
-    from ..model import load_pretrained
-    from .engine import Engine
-    from .engine_loop import EngineLoop
-    from .llm import recipe_placement
-
-    # with a recipe: mesh first, then every parameter loaded straight into its shards
-    m = load_pretrained(path, dtype=args.dtype, dequantize_experts=args.dequantize_experts,
-                        placement=recipe_placement(path, args.recipe))
-    detok = None
-    try:
-        from .tokenizer import load_tokenizer
-
-        tok = load_tokenizer(path)
-        if tok is not None:
-            detok = lambda ids: tok.decode(ids)
-    except ImportError:
-        pass
-    kv = dict(kv_memory_bytes=int(args.kv_memory_gb * (1 << 30))) if args.kv_memory_gb else (
-        dict(num_pages=args.num_pages) if args.num_pages else {})
-    eng = Engine(m, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                 chunk_size=args.chunk_size, page_size=args.page_size, max_model_len=args.max_model_len,
-                 detokenize=detok, async_scheduling=not args.sync, recipe=args.recipe,
-                 **prefix_kwargs(args), **kv)
-    loop = EngineLoop(eng, on_output=metrics.observe_output)
-    metrics.loop = loop
-    return loop
-
-
-def prefix_kwargs(args) -> dict:
-    """Engine keyword arguments of the prefix-cache flags (``add_prefix_flags``)."""
-    return dict(enable_prefix_caching=not args.no_prefix_caching, prefix_unit=args.prefix_unit,
-                prefix_interval=args.prefix_interval, prefix_second_hit=not args.no_prefix_second_hit,
-                prefix_output_end=not args.no_prefix_output_end, prefix_snapshots=args.prefix_snapshots,
-                prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30)) if args.prefix_cache_gb else None,
-                prefix_host_bytes=int(args.prefix_host_gb * (1 << 30)))
-
-
-def add_prefix_flags(p) -> None:
-    g = p.add_argument_group("prefix caching (on by default)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt from scratch")
-    g.add_argument("--prefix-unit", type=int, default=None,
-                   help="prefix-match unit in tokens (divides the page size; default min(16, page/2))")
-    g.add_argument("--prefix-interval", type=int, default=0,
-                   help="also snapshot the KDA state every N tokens (multiple of the unit; 0 = off)")
-    g.add_argument("--no-prefix-second-hit", action="store_true",
-                   help="do not register a branch point the second time it is seen")
-    g.add_argument("--no-prefix-output-end", action="store_true",
-                   help="do not register the state at the end of each request's output")
-    g.add_argument("--prefix-snapshots", type=int, default=None,
-                   help="device KDA snapshot slots (default 2 x max-num-seqs; paid before pages)")
-    g.add_argument("--prefix-cache-gb", type=float, default=None,
-                   help="byte budget of cached pages + snapshots (default: what the pool and slots hold)")
-    g.add_argument("--prefix-host-gb", type=float, default=1.0,
-                   help="host-DRAM tier for evicted prefixes (pages + state), 0 = off (default 1)")
-
-
-def param_inventory(cfg, dtype="bfloat16") -> list[tuple[str, tuple[int, ...], int]]:
-    """``(path, shape, itemsize)`` of every parameter of ``cfg``'s model, from abstract shapes."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from ..model import KimiLM
-
-    m = nnx.eval_shape(lambda: KimiLM(cfg, jnp.dtype(dtype)))
-    out = []
-    for path, v in nnx.to_flat_state(nnx.split(m)[1]):
-        a = v.get_value()
-        out.append((".".join(map(str, path)), tuple(a.shape), jnp.dtype(a.dtype).itemsize))
-    return out
 
 
 def cmd_plan(args) -> int:
     """Memory per device and max concurrency for recipes (the full K3 by default)."""
     from ..model.config import K3Config, k3_full
-    from ..sharding.memory import plan_memory
+    from ..sharding.memory import param_inventory, plan_memory
     from ..sharding.recipe import Recipe, RecipeError
 
     if args.model:
@@ -339,6 +195,34 @@ def cmd_plan(args) -> int:
     for i in range(len(rows[0])):
         print(rows[0][i][0].ljust(width), *(r[i][1].rjust(22) for r in rows))
     return 0
+
+
+def prefix_kwargs(args) -> dict:
+    """Engine keyword arguments of the prefix-cache flags (``add_prefix_flags``)."""
+    return dict(enable_prefix_caching=not args.no_prefix_caching, prefix_unit=args.prefix_unit,
+                prefix_interval=args.prefix_interval, prefix_second_hit=not args.no_prefix_second_hit,
+                prefix_output_end=not args.no_prefix_output_end, prefix_snapshots=args.prefix_snapshots,
+                prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30)) if args.prefix_cache_gb else None,
+                prefix_host_bytes=int(args.prefix_host_gb * (1 << 30)))
+
+
+def add_prefix_flags(p) -> None:
+    g = p.add_argument_group("prefix caching (on by default)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt from scratch")
+    g.add_argument("--prefix-unit", type=int, default=None,
+                   help="prefix-match unit in tokens (divides the page size; default min(16, page/2))")
+    g.add_argument("--prefix-interval", type=int, default=0,
+                   help="also snapshot the KDA state every N tokens (multiple of the unit; 0 = off)")
+    g.add_argument("--no-prefix-second-hit", action="store_true",
+                   help="do not register a branch point the second time it is seen")
+    g.add_argument("--no-prefix-output-end", action="store_true",
+                   help="do not register the state at the end of each request's output")
+    g.add_argument("--prefix-snapshots", type=int, default=None,
+                   help="device KDA snapshot slots (default 2 x max-num-seqs; paid before pages)")
+    g.add_argument("--prefix-cache-gb", type=float, default=None,
+                   help="byte budget of cached pages + snapshots (default: what the pool and slots hold)")
+    g.add_argument("--prefix-host-gb", type=float, default=1.0,
+                   help="host-DRAM tier for evicted prefixes (pages + state), 0 = off (default 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -95,3 +95,18 @@ def plan_memory(cfg, recipe: Recipe, inventory, *, context_len: int = 131072, hb
                       kda_state_per_request=kda_req, kda_state_per_request_per_device=kda_req_dev,
                       context_len=context_len, hbm_per_device=hbm, usable_fraction=usable_fraction,
                       per_request_per_device=per_req, max_concurrent_requests=per_group * recipe.dp)
+
+
+def param_inventory(cfg, dtype="bfloat16") -> list[tuple[str, tuple[int, ...], int]]:
+    """``(path, shape, itemsize)`` of every parameter of ``cfg``'s model, from abstract shapes."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from ..model import KimiLM
+
+    m = nnx.eval_shape(lambda: KimiLM(cfg, jnp.dtype(dtype)))
+    out = []
+    for path, v in nnx.to_flat_state(nnx.split(m)[1]):
+        a = v.get_value()
+        out.append((".".join(map(str, path)), tuple(a.shape), jnp.dtype(a.dtype).itemsize))
+    return out

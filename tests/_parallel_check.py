@@ -14,7 +14,7 @@ from flax import nnx
 
 from k3serve.model import load_pretrained
 from k3serve.model.cache import Cache, allocate_cache, make_batch
-from k3serve.server.cache import CacheManager, plan_capacity
+from k3serve.server.engine.cache import CacheManager, plan_capacity
 from k3serve.sharding.mesh import build_mesh, shard_params
 from k3serve.sharding.parallel import StepParallel
 from k3serve.sharding.recipe import Recipe
@@ -120,8 +120,8 @@ def run_engine(m, recipe: str, lengths, new_tokens: int, page_size: int, seed: i
     """Serve one request per length through the engine under ``recipe`` (all in one batch);
     returns whether every output equals the single-device greedy decode, and the DP group of
     each request."""
-    from k3serve.server.engine import Engine
-    from k3serve.server.sampling_params import SamplingParams
+    from k3serve.server.engine.engine import Engine
+    from k3serve.server.engine.sampling_params import SamplingParams
 
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, m.config.vocab_size, n).tolist() for n in lengths]
@@ -138,7 +138,7 @@ def run_engine(m, recipe: str, lengths, new_tokens: int, page_size: int, seed: i
     rids = [eng.add_request(p, SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True))
             for p in prompts]
     eng.step()  # admits all of them: every request now has its DP group
-    groups = [eng.cache.group_of(rid) for rid in rids]
+    groups = [eng.cache_mgr.group_of(rid) for rid in rids]
     done = {}
     while eng.has_unfinished():
         for o in eng.step():
@@ -147,8 +147,8 @@ def run_engine(m, recipe: str, lengths, new_tokens: int, page_size: int, seed: i
     eng.check_invariants()
     m.params = orig
     got = [done[r] for r in rids]
-    return {"equal": got == expect, "groups": groups, "free_pages": eng.cache.num_free_pages,
-            "num_pages": eng.plan.num_pages, "recipe": str(eng.recipe), "steps": eng.num_steps}
+    return {"equal": got == expect, "groups": groups, "free_pages": eng.cache_mgr.num_free_pages,
+            "num_pages": eng.capacity_plan.num_pages, "recipe": str(eng.recipe), "steps": eng.num_steps}
 
 
 def main():

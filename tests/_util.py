@@ -49,7 +49,7 @@ def tiny_text_checkpoint(root) -> pathlib.Path:
     Built once under ``root`` (about 3 s); weights are random, so text is gibberish, but every
     token id, stop and chat marker is real."""
     from k3serve.checkpoints.synthetic import generate_checkpoint, k3_config
-    from k3serve.tools.train_demo_tokenizer import write_demo_tokenizer
+    from k3serve.server.text.demo_tokenizer import write_demo_tokenizer
 
     out = pathlib.Path(root) / "k3-tiny-text"
     if (out / "tokenizer.json").is_file():

@@ -9,9 +9,8 @@ import atexit
 import shutil
 import tempfile
 
-import jax
+from k3serve.compile_cache import enable_compile_cache
 
 _CACHE = tempfile.mkdtemp(prefix="k3serve-test-xla-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", _CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+enable_compile_cache(_CACHE, min_compile_secs=1.0)

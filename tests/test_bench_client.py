@@ -1,5 +1,5 @@
 """The gRPC bench client (server/bench.py) against a mock SglangScheduler, and the agentic
-trace generator (tools/gen_agentic_trace.py)."""
+trace generator (k3serve.server.client.traces)."""
 from __future__ import annotations
 
 import json
@@ -12,8 +12,8 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from k3serve.server import bench
-from k3serve.tools import gen_agentic_trace as gen
+from k3serve.server.client import replay as bench
+from k3serve.server.client import traces as gen
 
 VOCAB = 500
 

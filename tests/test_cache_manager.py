@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from k3serve.model import k3_full, k3_small
-from k3serve.server.cache import SCRATCH, CacheManager, CachePlan, PagePool, SlotPool, plan_capacity
+from k3serve.server.engine.cache import SCRATCH, CacheManager, CapacityPlan, PagePool, SlotPool, plan_capacity
 
 GiB = 1 << 30
 
@@ -149,9 +149,9 @@ def _manager(num_pages=40, max_num_seqs=4, page_size=8):
 
 def test_manager_basics():
     m = _manager(num_pages=6, max_num_seqs=2, page_size=8)
-    assert m.cache.num_pages == 6 and m.cache.num_slots == 3 and m.cache.page_size == 8
+    assert m.device_cache.num_pages == 6 and m.device_cache.num_slots == 3 and m.device_cache.page_size == 8
     assert m.capacity() == {"max_tokens_in_kv": 48, "max_concurrent_slots": 2, "page_size": 8,
-                            "num_pages": 6, "num_slots": 3, "total_bytes": m.plan.total_bytes,
+                            "num_pages": 6, "num_slots": 3, "total_bytes": m.capacity_plan.total_bytes,
                             "max_tokens_per_request": 48, "dp": 1, "dcp": 1}
     assert m.admit("a") and m.admit("b") and not m.admit("c")
     with pytest.raises(ValueError):

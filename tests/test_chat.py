@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from k3serve.server.chat import (
+from k3serve.server.text.chat import (
     ParsedOutput,
     Segment,
     decode_segments,
@@ -16,8 +16,8 @@ from k3serve.server.chat import (
     render_chat,
     segments_to_text,
 )
-from k3serve.server.tokenizer import load_tokenizer
-from k3serve.tools import train_demo_tokenizer as tdt
+from k3serve.server.text.tokenizer import load_tokenizer
+from k3serve.server.text import demo_tokenizer as tdt
 
 O, C, S, E = (Segment(m, True) for m in ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"))
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from _util import golden, load_case
-from k3serve.server.engine import Engine
-from k3serve.server.sampling_params import SamplingParams
+from k3serve.server.engine.engine import Engine
+from k3serve.server.engine.sampling_params import SamplingParams
 
 CASE = "k3-tiny-a"
 
@@ -37,8 +37,8 @@ def _assert_all_free(engine):
     engine.flush_prefix_cache()
     engine.check_invariants()
     s = engine.stats()
-    assert s["free_pages"] == engine.plan.num_pages
-    assert s["free_slots"] == engine.plan.max_concurrent_slots  # scratch and snapshot slots apart
+    assert s["free_pages"] == engine.capacity_plan.num_pages
+    assert s["free_slots"] == engine.capacity_plan.max_concurrent_slots  # scratch and snapshot slots apart
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def test_async_scheduling_overlaps_and_matches_sync(engine_a):
     prompts, params = [base[0], base[1], base[2], base[2]], [pen, greedy_stop, pen, boost]
     results = {}
     events = []
-    from k3serve.server import runner as runner_mod
+    from k3serve.server.engine import runner as runner_mod
 
     orig_launch, orig_result = runner_mod.Runner.launch, runner_mod.InFlight.result
 

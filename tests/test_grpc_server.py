@@ -16,10 +16,10 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from _util import DATA, golden, load_case
-from k3serve.server.engine import Engine
-from k3serve.server.engine_loop import EngineLoop
-from k3serve.server.grpc_service import GrpcServer, Servicer
-from k3serve.server.metrics import Metrics
+from k3serve.server.engine.engine import Engine
+from k3serve.server.api.engine_thread import EngineThread
+from k3serve.server.api.grpc_service import GrpcServer, Servicer
+from k3serve.server.api.metrics import Metrics
 
 CASE = "k3-tiny-a"
 V = 512  # k3-tiny-a vocabulary
@@ -33,7 +33,7 @@ def _engine(**kw):
 class Served:
     def __init__(self, engine, **kw):
         self.metrics = Metrics()
-        self.loop = EngineLoop(engine, on_output=self.metrics.observe_output)
+        self.loop = EngineThread(engine, on_output=self.metrics.observe_output)
         self.metrics.loop = self.loop
         self.servicer = Servicer(model_dir=DATA / CASE, metrics=self.metrics)
         self.server = GrpcServer(self.servicer, host="127.0.0.1", port=0, **kw)
@@ -86,8 +86,8 @@ def _all_free(loop, timeout=10.0):
     eng = loop.engine
     with loop._lock:
         eng.check_invariants()  # the prefix cache's pages and snapshots included
-    assert st["free_pages"] + st["prefix_pages_held"] == eng.plan.num_pages, st
-    assert st["free_slots"] == eng.plan.max_concurrent_slots, st
+    assert st["free_pages"] + st["prefix_pages_held"] == eng.capacity_plan.num_pages, st
+    assert st["free_slots"] == eng.capacity_plan.max_concurrent_slots, st
 
 
 def test_generate_stream_and_unary_match_golden(served):
@@ -367,7 +367,7 @@ def test_prefix_cache_over_grpc(served):
     p = [(i * 37 + 11) % 500 for i in range(50)]  # a prompt no earlier test sent
     _, first = _collect(stub, _req(p, stream=False))
     chunks, again = _collect(stub, _req(p + [7, 8, 9]))
-    unit = served.loop.engine.prefix.unit
+    unit = served.loop.engine.prefix_cache.unit
     assert first.cached_tokens == 0
     assert again.cached_tokens >= (len(p) - 1) // unit * unit and chunks[0].cached_tokens == again.cached_tokens
     # another tenant (x-cache-salt) shares nothing; the same tenant again does

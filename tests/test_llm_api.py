@@ -22,4 +22,4 @@ def test_generate_and_stream_on_kimi_linear():
     assert [t for d in deltas for t in d.new_token_ids] == expect[1]
     assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
     st = llm.engine.stats()
-    assert st["free_pages"] + st["prefix_pages_held"] == llm.engine.plan.num_pages
+    assert st["free_pages"] + st["prefix_pages_held"] == llm.engine.capacity_plan.num_pages

@@ -15,12 +15,12 @@ import random
 
 import pytest
 
-from k3serve.server.cache import CacheManager, plan_capacity
-from k3serve.server.cache.prefix import tenant_salt
-from k3serve.server.cache.prefix_cache import PrefixCache
-from k3serve.server.request import Request, Status
-from k3serve.server.sampling_params import SamplingParams
-from k3serve.server.scheduler import Scheduler
+from k3serve.server.engine.cache import CacheManager, plan_capacity
+from k3serve.server.engine.cache.prefix_keys import tenant_salt
+from k3serve.server.engine.cache.prefix_cache import PrefixCache
+from k3serve.server.engine.request import Request, Status
+from k3serve.server.engine.sampling_params import SamplingParams
+from k3serve.server.engine.scheduler import Scheduler
 
 
 class ShadowManager(CacheManager):
@@ -66,7 +66,7 @@ def test_prefix_cache_randomized_against_shadow(seed, interval, budget_pages, dp
     mgr = ShadowManager(cfg, cplan, "float32")
     max_bytes = None if budget_pages is None else budget_pages * cplan.bytes_per_page + 3 * cplan.bytes_per_slot
     pc = PrefixCache(mgr, unit=unit, interval=interval, max_bytes=max_bytes)
-    sched = Scheduler(mgr, max_num_seqs=4, max_num_batched_tokens=24, chunk_size=12, max_model_len=80, prefix=pc)
+    sched = Scheduler(mgr, max_num_seqs=4, max_num_batched_tokens=24, chunk_size=12, max_model_len=80, prefix_cache=pc)
     bases = [[rng.randrange(256) for _ in range(40)] for _ in range(3)]
     convs: list[list[int]] = []  # finished conversations, extended by later turns
     tenants = [b"", tenant_salt("a"), tenant_salt("b")]

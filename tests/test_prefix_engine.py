@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from _util import tiny_text_checkpoint
-from k3serve.server.engine import Engine
-from k3serve.server.sampling_params import SamplingParams
+from k3serve.server.engine.engine import Engine
+from k3serve.server.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
 KW = dict(max_num_seqs=2, max_num_batched_tokens=48, chunk_size=16, page_size=8, max_model_len=160,
@@ -29,7 +29,7 @@ def engines(tmp_path_factory):
     model = load_pretrained(tiny_text_checkpoint(tmp_path_factory.mktemp("ckpt")), dtype="float32")
     on = Engine(model, **KW)  # prefix caching is on by default
     off = Engine(model, enable_prefix_caching=False, **KW)
-    assert on.prefix is not None and on.prefix.unit == 4 and off.prefix is None
+    assert on.prefix_cache is not None and on.prefix_cache.unit == 4 and off.prefix_cache is None
     return on, off
 
 
@@ -93,13 +93,13 @@ def test_interval_snapshot_and_second_hit(engines):
     on, _ = engines
     rng = random.Random(2)
     shared = _toks(rng, 42)
-    on.prefix.interval = 16
+    on.prefix_cache.interval = 16
     try:
         _same(engines, [(shared + _toks(rng, 10), {})])
         (b,) = _same(engines, [(shared + _toks(rng, 10), {})])
         assert b.cached_tokens == 32  # the interval snapshot at 32 (the branch point 40 was never registered)
     finally:
-        on.prefix.interval = 0
+        on.prefix_cache.interval = 0
     # the branch point at 40 was seen by the second request: it registered it (second hit)
     (c,) = _same(engines, [(shared + _toks(rng, 10), {})])
     assert c.cached_tokens == 40
@@ -135,8 +135,8 @@ def test_evicted_prefix_reloads_from_host(engines):
     p = _toks(rng, 45)
     _same(engines, [(p, {})])
     st = on.stats()
-    assert on.prefix.host is not None
-    while on.prefix.index.evict_one():  # what page pressure does, all at once
+    assert on.prefix_cache.host is not None
+    while on.prefix_cache.index.evict_one():  # what page pressure does, all at once
         pass
     assert on.stats()["prefix_host_offloads"] > st["prefix_host_offloads"]
     (out,) = _same(engines, [(p + _toks(rng, 7), {})])
@@ -159,4 +159,4 @@ def test_eviction_under_pressure_and_preemption(engines):
     assert st["snapshots_evicted"] > ev and st["num_preemptions"] > pre, st
     on.flush_prefix_cache()
     on.check_invariants()
-    assert on.stats()["free_pages"] == on.plan.num_pages
+    assert on.stats()["free_pages"] == on.capacity_plan.num_pages

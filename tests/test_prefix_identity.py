@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from k3serve.server.cache.prefix import PrefixChain, chain_hashes, longest_match, root_hash, tenant_salt
+from k3serve.server.engine.cache.prefix_keys import PrefixChain, chain_hashes, longest_match, root_hash, tenant_salt
 
 
 def test_keys_name_the_whole_prefix():
@@ -89,9 +89,9 @@ def test_prefix_index_randomized_invariants(seed):
     every op: the index invariants, pool refcounts = requests' + the index's holds, budgets
     respected, and a hit's pages and snapshot hold exactly that prefix (checked against a
     shadow of what each page and snapshot slot holds). All free at the end."""
-    from k3serve.server.cache.pages import PagePool
-    from k3serve.server.cache.prefix import PrefixIndex
-    from k3serve.server.cache.slots import SlotPool
+    from k3serve.server.engine.cache.pages import PagePool
+    from k3serve.server.engine.cache.prefix_index import PrefixIndex
+    from k3serve.server.engine.cache.slots import SlotPool
 
     rng = random.Random(seed)
     unit, ps = 4, 8

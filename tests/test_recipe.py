@@ -52,7 +52,8 @@ def test_presets_fit_the_full_k3_and_checks_name_the_problem():
 
 
 def test_memory_plan_full_k3_on_32_chips():
-    from k3serve.server.cli import main, param_inventory
+    from k3serve.server.cli import main
+    from k3serve.sharding.memory import param_inventory
     from k3serve.sharding.memory import plan_memory, weights_per_device
 
     full = k3_full()

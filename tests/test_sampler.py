@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from k3serve.server.sampler import (
+from k3serve.server.engine.sampler import (
     SampleOutput,
     SamplerInputs,
     apply_penalties,
@@ -20,7 +20,7 @@ from k3serve.server.sampler import (
     sample,
     seed_to_u32,
 )
-from k3serve.server.sampling_params import SamplingParams as SP
+from k3serve.server.engine.sampling_params import SamplingParams as SP
 
 
 # Few distinct shapes, so the suite compiles few programs (~2 s each on CPU): statistical

@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent('''
     from k3serve.model import load_pretrained
     from k3serve.model.config import K3Config
     from k3serve.checkpoints.safetensors_io import open_checkpoint
-    from k3serve.server.engine import Engine
+    from k3serve.server.engine.engine import Engine
     from k3serve.sharding.mesh import _path_str, build_mesh, param_spec, placement_for, shard_params
     from k3serve.sharding.recipe import PRESETS
 

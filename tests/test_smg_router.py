@@ -21,16 +21,16 @@ pytestmark = pytest.mark.skipif(SMG is None, reason="smg (dev extra) is not inst
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     from k3serve.model import load_pretrained
-    from k3serve.server.engine import Engine
-    from k3serve.server.engine_loop import EngineLoop
-    from k3serve.server.grpc_service import GrpcServer, Servicer
-    from k3serve.server.tokenizer import load_tokenizer
+    from k3serve.server.engine.engine import Engine
+    from k3serve.server.api.engine_thread import EngineThread
+    from k3serve.server.api.grpc_service import GrpcServer, Servicer
+    from k3serve.server.text.tokenizer import load_tokenizer
 
     ckpt = tiny_text_checkpoint(tmp_path_factory.mktemp("ckpt"))
     tok = load_tokenizer(ckpt)
     eng = Engine(load_pretrained(ckpt), max_num_seqs=2, max_num_batched_tokens=64, chunk_size=32, page_size=16,
                  max_model_len=256, detokenize=tok.decode)
-    loop = EngineLoop(eng)
+    loop = EngineThread(eng)
     server = GrpcServer(Servicer(model_dir=ckpt, served_model_name="k3-tiny-text"), host="127.0.0.1", port=0)
     server.set_ready(loop)
     http, prom = free_port(), free_port()
@@ -109,7 +109,7 @@ def test_completions_through_smg_match_direct_grpc(stack):
 
 
 def test_chat_completions_through_smg_match_direct_grpc(stack):
-    from k3serve.server.chat import encode_chat
+    from k3serve.server.text.chat import encode_chat
 
     tok = stack["tok"]
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime."}]
@@ -126,4 +126,4 @@ def test_chat_completions_through_smg_match_direct_grpc(stack):
     assert streamed == want_text
     # everything the router sent has finished and freed its pages and slot
     st = stack["loop"].stats()
-    assert st["free_pages"] + st["prefix_pages_held"] == stack["loop"].engine.plan.num_pages
+    assert st["free_pages"] + st["prefix_pages_held"] == stack["loop"].engine.capacity_plan.num_pages

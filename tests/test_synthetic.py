@@ -22,6 +22,8 @@ from k3serve.checkpoints.synthetic import (
 )
 from k3serve.kernels.mxfp4 import unpack_mxfp4_np
 
+ROOT = Path(__file__).resolve().parents[1]
+
 DATA = Path(__file__).parent / "data"
 
 TINY = dict(
@@ -196,7 +198,11 @@ def test_demo_checkpoint_lost_race(tmp_path, monkeypatch):
 
 
 def test_cli_prints_path_and_count(demo_cache, capsys):
-    from k3serve.tools import make_demo_checkpoint
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_demo_checkpoint", ROOT / "tools" / "make_demo_checkpoint.py")
+    make_demo_checkpoint = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_demo_checkpoint)
 
     cache, path = demo_cache
     assert make_demo_checkpoint.main(["--cache-dir", str(cache)]) == 0

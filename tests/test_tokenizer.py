@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from k3serve.server.tokenizer import (
+from k3serve.server.text.tokenizer import (
     MAX_RUN_CHARS,
     SentencePieceTokenizer,
     TiktokenTokenizer,
@@ -18,7 +18,7 @@ from k3serve.server.tokenizer import (
     k3_control_tokens,
     load_tokenizer,
 )
-from k3serve.tools import train_demo_tokenizer as tdt
+from k3serve.server.text import demo_tokenizer as tdt
 
 TEXTS = [
     "Hello, world!",

@@ -3,8 +3,8 @@
 Why: the demo server and tests use a ~30M-parameter K3-shaped checkpoint that is generated
 on first use; this CLI makes (or locates) it ahead of time, e.g. in a Docker build step.
 
-    python -m k3serve.tools.make_demo_checkpoint                 # cached under $K3SERVE_CACHE
-    python -m k3serve.tools.make_demo_checkpoint --out DIR --seed 3
+    python tools/make_demo_checkpoint.py               # cached under $K3SERVE_CACHE
+    python tools/make_demo_checkpoint.py --out DIR --seed 3
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from k3serve.checkpoints.synthetic import DEMO_SEED, count_parameters, demo_chec
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m k3serve.tools.make_demo_checkpoint", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="tools/make_demo_checkpoint.py", description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, help="write here (default: the demo cache, reused if present)")
     ap.add_argument("--seed", type=int, default=DEMO_SEED, help=f"value seed (default {DEMO_SEED})")
     ap.add_argument("--cache-dir", type=Path, help="cache root when --out is not given (default $K3SERVE_CACHE or ~/.cache/k3serve)")

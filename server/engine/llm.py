@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
-from ..model import load_pretrained
+from ...model import load_pretrained
 from .engine import Engine
 from .request import RequestOutput
 from .sampling_params import SamplingParams
@@ -18,10 +18,10 @@ def recipe_placement(model_path, recipe, devices=None):
         return None
     import jax
 
-    from ..checkpoints.safetensors_io import open_checkpoint
-    from ..model import K3Config
-    from ..sharding.mesh import build_mesh, placement_for
-    from ..sharding.recipe import Recipe
+    from ...checkpoints.safetensors_io import open_checkpoint
+    from ...model import K3Config
+    from ...sharding.mesh import build_mesh, placement_for
+    from ...sharding.recipe import Recipe
 
     with open_checkpoint(model_path) as ckpt:
         cfg = K3Config.from_dict(ckpt.config)

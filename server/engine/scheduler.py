@@ -49,10 +49,10 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cache, *, max_num_seqs: int, max_num_batched_tokens: int, chunk_size: int,
-                 max_model_len: int | None = None, prefix=None):
-        self.cache = cache
-        self.prefix = prefix
+    def __init__(self, cache_mgr, *, max_num_seqs: int, max_num_batched_tokens: int, chunk_size: int,
+                 max_model_len: int | None = None, prefix_cache=None):
+        self.cache_mgr = cache_mgr
+        self.prefix_cache = prefix_cache
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -82,22 +82,22 @@ class Scheduler:
             self.max_model_len is not None and req.num_tokens >= self.max_model_len)
 
     def _release(self, req: Request) -> None:
-        if self.prefix is not None:
-            self.prefix.release(req)
-        self.cache.release(req.rid)
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(req)
+        self.cache_mgr.release(req.rid)
 
     def _chunk(self, req: Request, n: int) -> int:
         """``n`` cut so a prefill chunk ends on the request's next snapshot boundary."""
-        if self.prefix is not None and n > 1:
-            b = self.prefix.next_boundary(req, req.num_computed)
+        if self.prefix_cache is not None and n > 1:
+            b = self.prefix_cache.next_boundary(req, req.num_computed)
             if b is not None and b < req.num_computed + n:
                 return b - req.num_computed
         return n
 
     def _grow(self, req: Request, total: int) -> bool:
         """ensure_tokens, evicting cached prefixes of the request's group first."""
-        while not self.cache.ensure_tokens(req.rid, total):
-            if self.prefix is None or not self.prefix.reclaim(self.cache.group_of(req.rid)):
+        while not self.cache_mgr.ensure_tokens(req.rid, total):
+            if self.prefix_cache is None or not self.prefix_cache.reclaim(self.cache_mgr.group_of(req.rid)):
                 return False
         return True
 
@@ -121,9 +121,9 @@ class Scheduler:
             n = self._chunk(req, min(req.remaining, self.chunk_size, budget))
             while not self._grow(req, req.num_computed + n):
                 # only a request of the same attention DP group frees pages this one can use
-                group = self.cache.group_of(req.rid)
+                group = self.cache_mgr.group_of(req.rid)
                 victims = [r for r in self.running if r.rid not in scheduled and r is not req
-                           and self.cache.group_of(r.rid) == group]
+                           and self.cache_mgr.group_of(r.rid) == group]
                 victim = max(victims, key=Request.sort_key) if victims else req
                 self._preempt(victim, plan)
                 if victim is req:
@@ -137,15 +137,15 @@ class Scheduler:
         for req in list(self.waiting):
             if len(plan.rows) >= self.max_num_seqs or budget <= 0 or plan.preempted:
                 break
-            hit = self.prefix.lookup(req) if self.prefix is not None else None
+            hit = self.prefix_cache.lookup(req) if self.prefix_cache is not None else None
             if hit == "wait":
                 continue  # another running request is computing this prefix: resume from it later
-            if hit is not None and hit.group is not None and not self.cache.admit(req.rid, group=hit.group,
+            if hit is not None and hit.group is not None and not self.cache_mgr.admit(req.rid, group=hit.group,
                                                                                   rank0=hit.rank0):
                 hit = None  # the hit's DP group is full: compute it elsewhere
-            if req.rid not in self.cache and not self.cache.admit(req.rid):
+            if req.rid not in self.cache_mgr and not self.cache_mgr.admit(req.rid):
                 break
-            if self.prefix is not None and not self.prefix.start(req, hit):
+            if self.prefix_cache is not None and not self.prefix_cache.start(req, hit):
                 self._release(req)
                 req.num_computed = 0
                 break

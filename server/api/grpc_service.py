@@ -42,8 +42,9 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from .request import RequestError
-from .sampling_params import SamplingParams
+from ..engine.request import RequestError
+from .auth import ApiKeyInterceptor
+from ..engine.sampling_params import SamplingParams
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model",
@@ -141,7 +142,7 @@ def tokenizer_bundle(model_dir: Path | None) -> bytes:
 
 
 class Servicer(pb_grpc.SglangSchedulerServicer):
-    """Holds an ``EngineLoop`` once the model is ready; until then answers UNAVAILABLE."""
+    """Holds an ``EngineThread`` once the model is ready; until then answers UNAVAILABLE."""
 
     def __init__(self, *, model_dir=None, served_model_name: str = "k3serve", metrics=None,
                  tokenizer=None, server_args: dict | None = None):
@@ -250,14 +251,14 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
             "model_path": str(self.model_dir or ""), "served_model_name": self.served_model_name,
             "max_running_requests": eng.scheduler.max_num_seqs, "max_num_seqs": eng.scheduler.max_num_seqs,
             "max_total_num_tokens": st["max_tokens_in_kv"], "max_prefill_tokens": eng.scheduler.max_num_batched_tokens,
-            "chunked_prefill_size": eng.scheduler.chunk_size, "page_size": eng.plan.page_size,
+            "chunked_prefill_size": eng.scheduler.chunk_size, "page_size": eng.capacity_plan.page_size,
             "context_length": eng.max_model_len, "pp_size": 1,
             **_parallel_sizes(eng.recipe),
             "disaggregation_mode": "null", "dtype": str(eng.model.dtype),
             "recipe": str(eng.recipe) if eng.recipe is not None else "single",
             **self.server_args,
         }
-        sched = {"num_pages": eng.plan.num_pages, "num_slots": eng.plan.num_slots,
+        sched = {"num_pages": eng.capacity_plan.num_pages, "num_slots": eng.capacity_plan.num_slots,
                  "max_concurrent_slots": st["max_concurrent_slots"], "num_compiles": st["num_compiles"],
                  "warmup_s": round(st["warmup_s"], 3)}
         ts = timestamp_pb2.Timestamp()
@@ -272,7 +273,7 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         loop = self._loop(context)
         st = loop.stats()
         eng = loop.engine
-        used = (eng.plan.num_pages - st["free_pages"]) * eng.plan.page_size
+        used = (eng.capacity_plan.num_pages - st["free_pages"]) * eng.capacity_plan.page_size
         cap = max(1, st["max_tokens_in_kv"])
         running, waiting = st["running"], st["waiting"]
         load = pb.SchedulerLoad(
@@ -305,7 +306,7 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
 
     def FlushCache(self, request, context):
         loop = self._loop(context)
-        if loop.engine.prefix is None:
+        if loop.engine.prefix_cache is None:
             return common_pb2.FlushCacheResponse(success=True, message="prefix caching is off: nothing to flush")
         n = loop.flush_cache()
         return common_pb2.FlushCacheResponse(
@@ -322,9 +323,9 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         """Stream the prefix cache's stored/removed blocks (one block = one prefix-match unit,
         ``block_hash`` = its chained key) from ``start_sequence_number`` (0 = from now)."""
         loop = self._loop(context)
-        if loop.engine.prefix is None:
+        if loop.engine.prefix_cache is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prefix caching is off: no KV events")
-        log = loop.engine.prefix.events
+        log = loop.engine.prefix_cache.events
         seq = log.last_seq if request.start_sequence_number == 0 else request.start_sequence_number - 1
         while context.is_active() and loop.accepting:
             for b in log.after(seq, timeout=0.5):
@@ -381,32 +382,6 @@ def _kv_event(e) -> "common_pb2.KvCacheEvent":
     return common_pb2.KvCacheEvent(stored=stored)
 
 
-class _ApiKey(grpc.ServerInterceptor):
-    """Require ``authorization: Bearer KEY`` (or the bare key) except for health and reflection."""
-
-    OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
-    def __init__(self, key: str):
-        self.key = key
-
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (authorization metadata)")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation, details):
-        if details.method.startswith(self.OPEN):
-            return continuation(details)
-        got = dict(details.invocation_metadata).get("authorization", "")
-        if got in (self.key, f"Bearer {self.key}"):
-            return continuation(details)
-        handler = continuation(details)
-        if handler is not None and handler.response_streaming:
-            return self._deny_stream
-        return self._deny
-
-
 class GrpcServer:
     """A started gRPC server: the scheduler servicer, health and reflection."""
 
@@ -414,7 +389,7 @@ class GrpcServer:
                  api_key: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  max_message_bytes: int = 16 << 20):
         self.servicer = servicer
-        interceptors = [_ApiKey(api_key)] if api_key else []
+        interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
         opts = [("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes), ("grpc.so_reuseport", 0)]
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="k3-grpc"),

@@ -3,7 +3,7 @@ same checkpoint with prefix caching on and then off, in one run.
 
     k3serve bench prefix [--model DIR|demo] [--sessions 8] [--seed 0] [--time-scale 1.0]
                          [--prefix-unit U] [--prefix-interval N] [--json out.json]
-    (= python -m k3serve.tools.bench_prefix ...)
+    (= python -m k3serve.server.bench.prefix ...)
 
 Each pass starts an in-process gRPC server (warm-up compiled before the clock starts),
 replays the trace with ``server/bench.py`` (token-exact, streaming, at the trace's
@@ -23,15 +23,15 @@ import time
 
 
 def _serve_and_replay(model, trace, *, block_size: int, time_scale: float, engine_kw: dict) -> dict:
-    from k3serve.server.bench import replay
-    from k3serve.server.engine import Engine
-    from k3serve.server.engine_loop import EngineLoop
-    from k3serve.server.grpc_service import GrpcServer, Servicer
+    from k3serve.server.client.replay import replay
+    from k3serve.server.engine.engine import Engine
+    from k3serve.server.api.engine_thread import EngineThread
+    from k3serve.server.api.grpc_service import GrpcServer, Servicer
 
     t = time.perf_counter()
     eng = Engine(model, **engine_kw)
     warm = time.perf_counter() - t
-    loop = EngineLoop(eng)
+    loop = EngineThread(eng)
     server = GrpcServer(Servicer(served_model_name="bench"), host="127.0.0.1", port=0)
     server.set_ready(loop)
     try:
@@ -67,10 +67,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     from k3serve.model import load_pretrained
-    from k3serve.server.cli import _enable_compile_cache
-    from k3serve.tools.gen_agentic_trace import generate_trace, trace_summary
+    from k3serve.compile_cache import enable_compile_cache
+    from k3serve.server.client.traces import generate_trace, trace_summary
 
-    _enable_compile_cache()  # the serve command's persistent XLA cache: a second run starts warm
+    enable_compile_cache()  # the serve command's persistent XLA cache: a second run starts warm
 
     if a.model == "demo":
         from k3serve.checkpoints.synthetic import demo_checkpoint

@@ -13,7 +13,7 @@ folder ships and wraps it behind one small interface.
   Text is split by the Kimi pre-tokenizer regex (:data:`KIMI_PAT_STR`) and encoded with the
   ``tiktoken`` package.
 * ``tokenizer.model`` (+ ``tokenizer_config.json``): a sentencepiece model such as the demo
-  tokenizer written by ``k3serve.tools.train_demo_tokenizer``.
+  tokenizer written by ``k3serve.server.text.demo_tokenizer``.
 
 Either way the result is a :class:`Tokenizer`:
 

@@ -44,24 +44,23 @@ class Engine:
                  prefix_snapshots: int | None = None, prefix_cache_bytes: int | None = None,
                  prefix_host_bytes: int = 1 << 30):
         cfg = model.config
-        if compilation_cache_dir:
-            import jax
+        if compilation_cache_dir:  # process-global; entry points normally set it (compile_cache.py)
+            from ...compile_cache import enable_compile_cache
 
-            jax.config.update("jax_compilation_cache_dir", str(compilation_cache_dir))
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+            enable_compile_cache(compilation_cache_dir)
         self.model = model
         self.recipe = self.mesh = self.par = None
         if recipe is not None:  # place the parameters on a mesh (sharding/ recipes)
             import jax
 
-            from ..sharding.mesh import build_mesh, shard_params
-            from ..sharding.recipe import Recipe
+            from ...sharding.mesh import build_mesh, shard_params
+            from ...sharding.recipe import Recipe
 
             devs = list(jax.devices() if devices is None else devices)
             self.recipe = Recipe.parse(recipe).validate(cfg, num_devices=len(devs))
             self.mesh = build_mesh(self.recipe, devs)
             model.params = shard_params(model.params, self.mesh)
-            from ..sharding.parallel import StepParallel
+            from ...sharding.parallel import StepParallel
 
             self.par = StepParallel(self.recipe, self.mesh)
         dp, dcp = (self.recipe.dp, self.recipe.dcp) if self.recipe is not None else (1, 1)
@@ -76,30 +75,30 @@ class Engine:
             prefix_snapshots = 2 * max_num_seqs if enable_prefix_caching else 0
         if enable_prefix_caching and prefix_snapshots < 1:
             raise ValueError("prefix caching needs prefix_snapshots >= 1")
-        self.plan = plan_capacity(cfg, page_size=page_size, dtype=model.dtype, kv_memory_bytes=kv_memory_bytes,
+        self.capacity_plan = plan_capacity(cfg, page_size=page_size, dtype=model.dtype, kv_memory_bytes=kv_memory_bytes,
                                   max_num_seqs=max_num_seqs, num_pages=num_pages, dp=dp, dcp=dcp,
                                   snapshot_slots=prefix_snapshots if enable_prefix_caching else 0)
-        self.cache = CacheManager(cfg, self.plan, model.dtype, allocate=self.par is None)
+        self.cache_mgr = CacheManager(cfg, self.capacity_plan, model.dtype, allocate=self.par is None)
         if self.par is not None:  # allocated straight into its shards
             import jax
 
-            from ..model.cache import Cache, allocate_cache
+            from ...model.cache import Cache, allocate_cache
 
-            p = self.plan
-            self.cache.cache = jax.jit(lambda: allocate_cache(cfg, p.num_slots, p.num_pages, p.page_size, model.dtype),
+            p = self.capacity_plan
+            self.cache_mgr.device_cache = jax.jit(lambda: allocate_cache(cfg, p.num_slots, p.num_pages, p.page_size, model.dtype),
                                        out_shardings=Cache(**self.par.cache_shardings(cfg.kda_num_heads)))()
         chunk_size = min(chunk_size, max_num_batched_tokens)
-        self.prefix = None
+        self.prefix_cache = None
         if enable_prefix_caching:
             from .cache.prefix_cache import PrefixCache
 
-            self.prefix = PrefixCache(self.cache, unit=prefix_unit, interval=prefix_interval,
+            self.prefix_cache = PrefixCache(self.cache_mgr, unit=prefix_unit, interval=prefix_interval,
                                       second_hit=prefix_second_hit, output_end=prefix_output_end,
                                       max_bytes=prefix_cache_bytes, host_bytes=prefix_host_bytes)
-        self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
+        self.scheduler = Scheduler(self.cache_mgr, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, chunk_size=chunk_size,
-                                   max_model_len=max_model_len, prefix=self.prefix)
-        self.runner = Runner(model, self.cache, max_num_seqs=max_num_seqs, chunk_size=chunk_size,
+                                   max_model_len=max_model_len, prefix_cache=self.prefix_cache)
+        self.runner = Runner(model, self.cache_mgr, max_num_seqs=max_num_seqs, chunk_size=chunk_size,
                              max_model_len=max_model_len, max_logprobs=max_logprobs,
                              page_buckets=page_buckets, split_mixed=split_mixed_steps, par=self.par)
         self.requests: dict[str, Request] = {}
@@ -139,13 +138,13 @@ class Engine:
         if params.max_new_tokens > self.max_model_len:
             raise OutOfRangeError(f"max_new_tokens {params.max_new_tokens} exceeds max_model_len {self.max_model_len}")
         total = min(len(ids) + params.max_new_tokens, self.max_model_len)  # generation stops at max_model_len
-        if total > self.plan.max_tokens_per_request:
+        if total > self.capacity_plan.max_tokens_per_request:
             raise CapacityError(f"prompt + max_new_tokens = {total} tokens exceeds the KV capacity "
-                                f"({self.plan.max_tokens_per_request} tokens)")
+                                f"({self.capacity_plan.max_tokens_per_request} tokens)")
         if rid is not None and rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(31)
-        from .cache.prefix import tenant_salt
+        from .cache.prefix_keys import tenant_salt
 
         req = Request(prompt=ids, params=params, rid=rid or "", priority=priority, seed=seed,
                       salt=tenant_salt(cache_salt, api_key))
@@ -182,16 +181,16 @@ class Engine:
         # requests aborted since the last step still owe their final output
         touched: dict[str, Request] = {r.rid: r for r in self.requests.values()
                                        if r.finished and r.emitted <= len(r.output)}
-        plan = self.scheduler.schedule()
-        self.num_preemptions += len(plan.preempted)
+        step_plan = self.scheduler.schedule()
+        self.num_preemptions += len(step_plan.preempted)
         launched = None
-        self.cache.flush_copies()  # prefix hits: snapshot -> slot, shared tail page -> own copy
-        if plan.rows:
-            launched = self.runner.launch(plan.rows, self._inflight)
-            if self.prefix is not None:
-                self.prefix.after_launch(plan.rows)
+        self.cache_mgr.flush_copies()  # prefix hits: snapshot -> slot, shared tail page -> own copy
+        if step_plan.rows:
+            launched = self.runner.launch(step_plan.rows, self._inflight)
+            if self.prefix_cache is not None:
+                self.prefix_cache.after_launch(step_plan.rows)
             self.num_steps += 1
-            for i, row in enumerate(plan.rows):
+            for i, row in enumerate(step_plan.rows):
                 req = row.req
                 self.tokens_computed += row.num_tokens
                 self.prompt_tokens_computed += max(0, min(row.start + row.num_tokens, len(req.prompt)) - row.start)
@@ -206,11 +205,11 @@ class Engine:
             done, self._inflight = launched, None
         if done is not None:
             self._process(done, touched)
-        if self.prefix is not None:
-            self.prefix.events.publish()  # this step's stored/removed blocks, one numbered batch
-            self.prefix_bytes_peak = max(self.prefix_bytes_peak, self.prefix.bytes_held())
-            if self.prefix.host is not None:
-                self.prefix.host.drain()  # finished offload copies: device arrays -> host memory
+        if self.prefix_cache is not None:
+            self.prefix_cache.events.publish()  # this step's stored/removed blocks, one numbered batch
+            self.prefix_bytes_peak = max(self.prefix_bytes_peak, self.prefix_cache.bytes_held())
+            if self.prefix_cache.host is not None:
+                self.prefix_cache.host.drain()  # finished offload copies: device arrays -> host memory
         outputs = []
         for req in touched.values():
             new = req.output[req.emitted:]
@@ -243,8 +242,8 @@ class Engine:
                 req.logprobs.append((float(out.logprob[i]),
                                      [(int(a), float(b)) for a, b in zip(out.top_ids[i][:n], out.top_logprobs[i][:n])]))
             self._check_stop(req, tok)
-            if self.prefix is not None and not req.finished:
-                self.prefix.register_ready(req)  # snapshots waiting for this token to be keyed
+            if self.prefix_cache is not None and not req.finished:
+                self.prefix_cache.register_ready(req)  # snapshots waiting for this token to be keyed
 
     def _check_stop(self, req: Request, tok: int) -> None:
         p = req.params
@@ -269,32 +268,32 @@ class Engine:
             "num_preemptions": self.num_preemptions,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            "free_pages": self.cache.num_free_pages,
-            "free_slots": self.cache.num_free_slots,
+            "free_pages": self.cache_mgr.num_free_pages,
+            "free_slots": self.cache_mgr.num_free_slots,
             "warmup_s": self.warmup_s,
             "step_s": self.step_s,
             "launch_s": self.runner.launch_s,
             "wait_s": self.runner.wait_s,
             "async_scheduling": self.async_scheduling,
-            "prefix_caching": self.prefix is not None,
+            "prefix_caching": self.prefix_cache is not None,
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "tokens_computed": self.tokens_computed,
             "prefix_bytes_peak": self.prefix_bytes_peak,
-            **(self.prefix.stats() if self.prefix is not None else {}),
-            **self.cache.capacity(),
+            **(self.prefix_cache.stats() if self.prefix_cache is not None else {}),
+            **self.cache_mgr.capacity(),
         }
 
     def flush_prefix_cache(self) -> int:
         """Drop every cached prefix (pages and snapshots not in use); returns snapshots dropped."""
-        if self.prefix is None:
+        if self.prefix_cache is None:
             return 0
-        n = self.prefix.flush()
-        self.prefix.events.publish()
+        n = self.prefix_cache.flush()
+        self.prefix_cache.events.publish()
         return n
 
     def check_invariants(self) -> None:
         """Pools, per-request holdings and the prefix cache agree (tests)."""
-        if self.prefix is not None:
-            self.prefix.check_invariants()
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_invariants()
         else:
-            self.cache.check_invariants()
+            self.cache_mgr.check_invariants()

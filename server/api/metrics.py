@@ -78,8 +78,8 @@ class _EngineCollector:
         yield g("k3serve_requests_waiting", "Requests queued", st["waiting"])
         cached = st.get("prefix_pages_held", 0)
         yield g("k3serve_kv_pages_used", "MLA KV pages held by requests (cached prefix pages apart)",
-                eng.plan.num_pages - st["free_pages"] - cached)
-        yield g("k3serve_kv_pages_total", "MLA KV pages", eng.plan.num_pages)
+                eng.capacity_plan.num_pages - st["free_pages"] - cached)
+        yield g("k3serve_kv_pages_total", "MLA KV pages", eng.capacity_plan.num_pages)
         yield g("k3serve_kda_slots_free", "Free KDA state slots", st["free_slots"])
         yield CounterMetricFamily("k3serve_preemptions", "Requests preempted (recomputed later)",
                                   value=st["num_preemptions"])

@@ -5,7 +5,7 @@ that text, chat requests and routers (``smg`` loads ``tokenizer.json`` +
 ``tokenizer_config.json``) work end to end without downloading anything. The corpus is the
 Python standard library's own ``.py`` sources, which every machine has offline.
 
-    python -m k3serve.tools.train_demo_tokenizer --out DIR
+    python -m k3serve.server.text.demo_tokenizer --out DIR
 
 Layout (matches the K3 release, scaled to V = 4096): ids 0..255 are the byte-fallback pieces
 ``<0x00>``..``<0xFF>``, 256..3839 the learned BPE pieces, and the 256 control slots
@@ -49,7 +49,7 @@ import sysconfig
 import time
 from pathlib import Path
 
-from k3serve.server.tokenizer import K3_CONTROL_SLOTS, NUM_CONTROL_SLOTS, k3_control_tokens
+from k3serve.server.text.tokenizer import K3_CONTROL_SLOTS, NUM_CONTROL_SLOTS, k3_control_tokens
 
 DEMO_VOCAB_SIZE = 4096
 CORPUS_BYTES = 3_000_000
@@ -454,7 +454,7 @@ def write_demo_tokenizer(out_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m k3serve.tools.train_demo_tokenizer", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m k3serve.server.text.demo_tokenizer", description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder to write the tokenizer files into")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()

@@ -39,7 +39,8 @@ from collections import OrderedDict
 
 from .events import Event, KvEventLog, block_hash
 from .host import HostEntry, HostTier
-from .prefix import PrefixChain, PrefixIndex, longest_match
+from .prefix_index import PrefixIndex
+from .prefix_keys import PrefixChain, longest_match
 
 
 def default_unit(page_size: int) -> int:
@@ -63,22 +64,22 @@ WAIT = "wait"  # lookup answer: another running request is computing this prefix
 class PrefixCache:
     """Policy and registration on top of :class:`PrefixIndex` for one :class:`CacheManager`."""
 
-    def __init__(self, mgr, *, unit: int | None = None, interval: int = 0, second_hit: bool = True,
+    def __init__(self, cache_mgr, *, unit: int | None = None, interval: int = 0, second_hit: bool = True,
                  output_end: bool = True, max_bytes: int | None = None, seen_capacity: int = 1 << 16,
                  host_bytes: int = 0):
-        unit = unit or default_unit(mgr.page_size)
-        if mgr.page_size % unit:
-            raise ValueError(f"prefix unit {unit} must divide the page size {mgr.page_size}")
+        unit = unit or default_unit(cache_mgr.page_size)
+        if cache_mgr.page_size % unit:
+            raise ValueError(f"prefix unit {unit} must divide the page size {cache_mgr.page_size}")
         if interval < 0 or interval % unit:
             raise ValueError(f"snapshot interval {interval} must be 0 (off) or a multiple of the prefix unit {unit}")
-        if mgr.plan.snapshot_slots < 1:
+        if cache_mgr.capacity_plan.snapshot_slots < 1:
             raise ValueError("prefix caching needs snapshot slots (plan_capacity(snapshot_slots=...))")
-        self.mgr, self.unit, self.interval = mgr, unit, interval
+        self.cache_mgr, self.unit, self.interval = cache_mgr, unit, interval
         self.second_hit, self.output_end = second_hit, output_end
-        plan = mgr.plan
-        self.index = PrefixIndex(mgr.pages, unit=unit, page_size=mgr.page_size, max_bytes=max_bytes,
+        plan = cache_mgr.capacity_plan
+        self.index = PrefixIndex(cache_mgr.pages, unit=unit, page_size=cache_mgr.page_size, max_bytes=max_bytes,
                                  bytes_per_page=plan.bytes_per_page, bytes_per_snapshot=plan.bytes_per_slot,
-                                 free_snapshot=mgr.slots.free_snapshot, on_event=self._on_index_event,
+                                 free_snapshot=cache_mgr.slots.free_snapshot, on_event=self._on_index_event,
                                  on_evict=self._offload if host_bytes else None)
         self.host = HostTier(host_bytes) if host_bytes else None
         self.events = KvEventLog()
@@ -122,10 +123,10 @@ class PrefixCache:
 
     def _offload(self, key: bytes, slot: int, units: int, pages: list[int]) -> None:
         """Index eviction hook: copy the prefix out to the host tier before its slot is reused."""
-        if self.mgr.cache is None:
+        if self.cache_mgr.device_cache is None:
             return
         tokens = units * self.unit
-        state, conv, rows = self.mgr.read_prefix(slot, pages)
+        state, conv, rows = self.cache_mgr.read_prefix(slot, pages)
         row_bytes = rows.shape[0] * rows.shape[-1] * rows.dtype.itemsize
         nbytes = sum(int(a.size) * a.dtype.itemsize for a in (state, conv)) + tokens * row_bytes
         self.host.put(key, HostEntry(tokens, state, conv, rows, nbytes))
@@ -149,7 +150,7 @@ class PrefixCache:
             return Hit(nh * self.unit, [], None, None, None, host_key=hashes[nh - 1])
         if n == 0:
             return None
-        group, rank0 = self.mgr.placement_of_page(pages[0], 0)
+        group, rank0 = self.cache_mgr.placement_of_page(pages[0], 0)
         return Hit(n * self.unit, pages, snap, group, rank0)
 
     def start(self, req, hit: Hit | None) -> bool:
@@ -161,11 +162,11 @@ class PrefixCache:
         n = 0
         if hit is not None and hit.host_key is not None:
             entry = self.host.take(hit.host_key)
-            group = self.mgr.group_of(req.rid)
-            while not self.mgr.ensure_tokens(req.rid, hit.tokens):
+            group = self.cache_mgr.group_of(req.rid)
+            while not self.cache_mgr.ensure_tokens(req.rid, hit.tokens):
                 if not self.reclaim(group):
                     return False
-            self.mgr.write_prefix(req.rid, entry.rows, entry.state, entry.conv)
+            self.cache_mgr.write_prefix(req.rid, entry.rows, entry.state, entry.conv)
             req.num_computed = hit.tokens
             n = hit.tokens // self.unit
             self.host.reloaded += 1
@@ -175,17 +176,17 @@ class PrefixCache:
             # register it on the device again (the two tiers agree on the longest prefix)
             snap = self._alloc_snapshot(req)
             if snap is not None:
-                self.mgr.copy_slot(self.mgr.slot_of(req.rid), snap)
+                self.cache_mgr.copy_slot(self.cache_mgr.slot_of(req.rid), snap)
                 self._held.setdefault(req.rid, []).append((hit.tokens, snap, False))
         elif hit is not None:
-            ps = self.mgr.page_size
+            ps = self.cache_mgr.page_size
             full = hit.tokens // ps
-            self.mgr.map_shared(req.rid, hit.pages[:full])
+            self.cache_mgr.map_shared(req.rid, hit.pages[:full])
             if hit.tokens % ps:
-                if not self.mgr.copy_on_write(req.rid, hit.pages[full]):
+                if not self.cache_mgr.copy_on_write(req.rid, hit.pages[full]):
                     return False
                 self.num_cow += 1
-            self.mgr.copy_slot(hit.snapshot, self.mgr.slot_of(req.rid))
+            self.cache_mgr.copy_slot(hit.snapshot, self.cache_mgr.slot_of(req.rid))
             req.num_computed = hit.tokens
             n = hit.tokens // self.unit
             self.num_hits += 1
@@ -212,7 +213,7 @@ class PrefixCache:
         return (len(req.prompt) - 1) // self.unit * self.unit
 
     def prompt_page_end(self, req) -> int:
-        ps = self.mgr.page_size
+        ps = self.cache_mgr.page_size
         return (len(req.prompt) - 1) // ps * ps
 
     def is_boundary(self, req, pos: int) -> bool:
@@ -258,14 +259,14 @@ class PrefixCache:
                 if slot is None:
                     continue
                 held.append((end, slot, False))
-            self.mgr.copy_slot(self.mgr.slot_of(req.rid), slot)
-        self.mgr.flush_copies()
+            self.cache_mgr.copy_slot(self.cache_mgr.slot_of(req.rid), slot)
+        self.cache_mgr.flush_copies()
         for row in rows:
             self.register_ready(row.req)
 
     def _alloc_snapshot(self, req):
-        group = self.mgr.group_of(req.rid)
-        slots = self.mgr.slots
+        group = self.cache_mgr.group_of(req.rid)
+        slots = self.cache_mgr.slots
         s = slots.alloc_snapshot(group)
         while s is None and self.index.evict_one(where=lambda slot: slots.group_of(slot) == group):
             s = slots.alloc_snapshot(group)
@@ -284,24 +285,24 @@ class PrefixCache:
             units = end // self.unit
             if units > len(hashes) or (is_tail and not final):
                 if final:
-                    self.mgr.slots.free_snapshot(slot)
+                    self.cache_mgr.slots.free_snapshot(slot)
                 else:
                     keep.append((end, slot, is_tail))
                 continue
-            if self.mgr.dp * self.mgr.dcp > 1:
+            if self.cache_mgr.dp * self.cache_mgr.dcp > 1:
                 # under DP/DCP a chain keeps one placement: a request that computed a cached
                 # prefix elsewhere (its hit's DP group was full) cannot extend that chain
                 have, cached = self.index.match(hashes[:units])
-                if have and self.mgr.placement_of_page(cached[0], 0) != self.mgr.placement_of(req.rid):
-                    self.mgr.slots.free_snapshot(slot)
+                if have and self.cache_mgr.placement_of_page(cached[0], 0) != self.cache_mgr.placement_of(req.rid):
+                    self.cache_mgr.slots.free_snapshot(slot)
                     continue
             self._ctx_tokens = req.tokens
             try:
-                ok = self.index.register(hashes[:units], self.mgr.pages_of(req.rid), slot) == units
+                ok = self.index.register(hashes[:units], self.cache_mgr.pages_of(req.rid), slot) == units
             finally:
                 self._ctx_tokens = None
             if not ok:
-                self.mgr.slots.free_snapshot(slot)
+                self.cache_mgr.slots.free_snapshot(slot)
         if keep:
             self._held[req.rid] = keep
         else:
@@ -309,10 +310,10 @@ class PrefixCache:
 
     def release(self, req) -> None:
         """Before ``mgr.release``: register what the request holds, forget its live keys."""
-        if req.rid in self.mgr:
+        if req.rid in self.cache_mgr:
             self.register_ready(req, final=True)
         for end, slot, _ in self._held.pop(req.rid, []):
-            self.mgr.slots.free_snapshot(slot)
+            self.cache_mgr.slots.free_snapshot(slot)
         ch = getattr(req, "chain", None)
         if ch is not None:
             for h in ch.hashes:
@@ -322,9 +323,9 @@ class PrefixCache:
     def reclaim(self, group: int | None = None) -> bool:
         """Evict the least recently used snapshot (and the pages only it needed); False if none.
         ``group``: only one of that DP group (whose pages a request of that group needs)."""
-        if group is None or self.mgr.dp == 1:
+        if group is None or self.cache_mgr.dp == 1:
             return self.index.evict_one()
-        slots = self.mgr.slots
+        slots = self.cache_mgr.slots
         return self.index.evict_one(where=lambda slot: slots.group_of(slot) == group)
 
     # ------------------------------------------------------------------ introspection
@@ -333,7 +334,7 @@ class PrefixCache:
 
     def bytes_held(self) -> int:
         """Device bytes of cached pages + snapshots (registered, and held by requests)."""
-        return self.index.bytes_held + self.held_snapshots() * self.mgr.plan.bytes_per_slot
+        return self.index.bytes_held + self.held_snapshots() * self.cache_mgr.capacity_plan.bytes_per_slot
 
     def held_snapshots(self) -> int:
         return sum(len(v) for v in self._held.values())
@@ -353,9 +354,9 @@ class PrefixCache:
         held = [s for v in self._held.values() for _, s, _ in v]
         slots = held + self.index.snapshot_slots()
         assert len(set(slots)) == len(slots), "a snapshot slot is both held and registered, or held twice"
-        assert self.mgr.slots.num_snapshots_used == len(slots), \
-            f"{self.mgr.slots.num_snapshots_used} snapshot slots in use, {len(slots)} accounted for"
-        self.mgr.check_invariants(extra_page_refs=self.index.page_refs())
+        assert self.cache_mgr.slots.num_snapshots_used == len(slots), \
+            f"{self.cache_mgr.slots.num_snapshots_used} snapshot slots in use, {len(slots)} accounted for"
+        self.cache_mgr.check_invariants(extra_page_refs=self.index.page_refs())
 
     def stats(self) -> dict:
         return {"prefix_unit": self.unit, "prefix_interval": self.interval,
@@ -366,7 +367,7 @@ class PrefixCache:
                 "snapshots_evicted": self.index.snapshots_evicted, "snapshots_held": self.index.num_snapshots,
                 "prefix_pages_held": self.index.num_pages,
                 "prefix_device_bytes": self.bytes_held(),
-                "snapshot_bytes": (self.index.num_snapshots + self.held_snapshots()) * self.mgr.plan.bytes_per_slot,
+                "snapshot_bytes": (self.index.num_snapshots + self.held_snapshots()) * self.cache_mgr.capacity_plan.bytes_per_slot,
                 "prefix_host_bytes": self.host.bytes_held if self.host else 0,
                 "prefix_host_entries": len(self.host) if self.host else 0,
                 "prefix_host_offloads": self.host.offloaded if self.host else 0,

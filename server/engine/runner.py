@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..model.cache import make_batch
+from ...model.cache import make_batch
 from .sampler import build_sampler_inputs, sample
 
 
@@ -106,7 +106,7 @@ class Runner:
                  max_logprobs: int = 20, page_buckets=None, split_mixed: bool = True, par=None):
         self.model = model
         self.cache_mgr = cache_mgr
-        self.page_size = cache_mgr.plan.page_size
+        self.page_size = cache_mgr.capacity_plan.page_size
         self.par = par
         self.dp = dp = par.dp if par is not None else 1
         self.group_buckets = _pow2_buckets(-(-max_num_seqs // dp))  # rows per DP group
@@ -245,7 +245,7 @@ class Runner:
         reqs = by_pos if self.dp > 1 else [r.req for r in rows]
         sinp = build_sampler_inputs(*self._sampler_lists(reqs), pad_rows_to=B, pad_len_to=self.hist_len)
         fn = self._compiled.get((B, T, P), self._fn)
-        out, full, self.cache_mgr.cache = fn(self.model.params, self.cache_mgr.cache, batch, jnp.asarray(last),
+        out, full, self.cache_mgr.device_cache = fn(self.model.params, self.cache_mgr.device_cache, batch, jnp.asarray(last),
                                                    sinp, *prev_pair, jnp.asarray(from_prev), jnp.asarray(pend_pos))
         return out, full, at
 
@@ -301,7 +301,7 @@ class Runner:
 
         def one(shape):
             args = self._padding_args(*shape)
-            return shape, self._fn.lower(self.model.params, self.cache_mgr.cache, *args).compile()
+            return shape, self._fn.lower(self.model.params, self.cache_mgr.device_cache, *args).compile()
 
         with cf.ThreadPoolExecutor(workers, thread_name_prefix="k3-compile") as ex:
             for shape, exe in ex.map(one, shapes):
@@ -309,6 +309,6 @@ class Runner:
         # run each program once (first-run allocations), with the cache flowing through
         for shape in shapes:
             args = self._padding_args(*shape)
-            out, _, self.cache_mgr.cache = self._compiled[shape](self.model.params, self.cache_mgr.cache, *args)
+            out, _, self.cache_mgr.device_cache = self._compiled[shape](self.model.params, self.cache_mgr.device_cache, *args)
             jax.block_until_ready(out)
         return self.num_compiles - before

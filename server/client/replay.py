@@ -1,6 +1,6 @@
 """Token-exact gRPC replayer of Mooncake-format traces against an ``SglangScheduler`` server.
 
-    python -m k3serve.server.bench --server HOST:PORT --trace trace.jsonl [--concurrency N | --time-scale X]
+    python -m k3serve.server.client.replay --server HOST:PORT --trace trace.jsonl [--concurrency N | --time-scale X]
     (also wired as ``k3serve bench --server ... --trace ...``)
 
 Every trace row becomes one streaming ``Generate`` call whose ``tokenized.input_ids`` are the
@@ -42,7 +42,7 @@ try:  # the generated stubs are a project dependency; import lazily-friendly for
 except ImportError:  # pragma: no cover
     grpc = pb = pb_grpc = None
 
-from ..tools.gen_agentic_trace import read_jsonl, row_blocks
+from .traces import read_jsonl, row_blocks
 
 DEFAULT_TOKEN_CAP = 32768
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]

@@ -1,13 +1,13 @@
 """The engine on a thread: many callers submit, stream and abort; one thread steps.
 
-``Engine`` is single-threaded. ``EngineLoop`` owns it and runs ``Engine.step()`` on a
+``Engine`` is single-threaded. ``EngineThread`` owns it and runs ``Engine.step()`` on a
 background thread whenever there is work, and sleeps on a condition variable when there is
 none. Callers (gRPC handler threads) talk to it through:
 
 * ``submit(prompt, params, rid=None, priority=0) -> RequestHandle`` — validates at once
   (raises the engine's ``RequestError`` subclasses, so a bad request changes nothing);
 * ``RequestHandle.outputs(timeout)`` — an iterator of ``RequestOutput`` deltas, the last one
-  finished; ``RequestHandle.abort()`` / ``EngineLoop.abort(rid)``;
+  finished; ``RequestHandle.abort()`` / ``EngineThread.abort(rid)``;
 * ``drain(grace_s)`` — stop admitting, let running requests finish for up to ``grace_s``
   seconds, abort the rest, and stop the thread.
 
@@ -21,8 +21,8 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from .request import RequestError, RequestOutput
-from .sampling_params import SamplingParams
+from ..engine.request import RequestError, RequestOutput
+from ..engine.sampling_params import SamplingParams
 
 
 class ShuttingDown(RequestError):
@@ -30,7 +30,7 @@ class ShuttingDown(RequestError):
 
 
 class RequestHandle:
-    def __init__(self, loop: "EngineLoop", rid: str, num_prompt: int):
+    def __init__(self, loop: "EngineThread", rid: str, num_prompt: int):
         self.loop = loop
         self.rid = rid
         self.num_prompt = num_prompt
@@ -60,7 +60,7 @@ class RequestHandle:
         return self.loop.abort(self.rid)
 
 
-class EngineLoop:
+class EngineThread:
     def __init__(self, engine, on_output: Callable[[RequestHandle, RequestOutput, float], None] | None = None):
         self.engine = engine
         self.on_output = on_output

@@ -1,6 +1,6 @@
 """Offline generation throughput of the engine, optionally side by side with transformers.
 
-    python -m k3serve.tools.bench_offline [--model DIR | demo] [--concurrency 1,8,32]
+    python -m k3serve.server.bench.offline [--model DIR | demo] [--concurrency 1,8,32]
         [--prompt-len 32] [--gen-len 32] [--peer-python /path/to/venv/bin/python]
 
 For each concurrency c, c greedy requests (random prompts of equal length, eos ignored)
@@ -29,8 +29,8 @@ import numpy as np
 
 def run_k3serve(model_dir, conc, prompt_len, gen_len, seed=0, modes=("async",), **engine_kw):
     from k3serve.model import load_pretrained
-    from k3serve.server.engine import Engine
-    from k3serve.server.sampling_params import SamplingParams
+    from k3serve.server.engine.engine import Engine
+    from k3serve.server.engine.sampling_params import SamplingParams
 
     m = load_pretrained(model_dir)
     max_seqs = max(conc)
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         tps = {(r["concurrency"], r["mode"]): r["tok_per_s"] for r in res}
         report["ratio_async_over_sync"] = {c: round(tps[c, "async"] / tps[c, "sync"], 2) for c in conc}
     if a.peer_python:
-        peer = pathlib.Path(__file__).with_name("peer_transformers.py")
+        peer = pathlib.Path(__file__).resolve().parents[2] / "tools" / "peer_transformers.py"  # a script of the source tree
         cmd = [a.peer_python, str(peer), "--model", str(model_dir), "--concurrency", a.concurrency,
                "--prompt-len", str(a.prompt_len), "--gen-len", str(a.gen_len)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)

@@ -1,6 +1,6 @@
 """Synthetic agentic traffic as a Mooncake-format JSONL trace.
 
-    python -m k3serve.tools.gen_agentic_trace --out trace.jsonl [--sessions 16] [--seed 0]
+    python -m k3serve.server.client.traces --out trace.jsonl [--sessions 16] [--seed 0]
         [--preset agentic|tiny] [--block-size 512] [... size / timing options, see --help]
 
 Each line is one request: ``{"timestamp": ms, "input_length": n, "output_length": m,

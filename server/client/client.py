@@ -58,7 +58,7 @@ class Client:
 
     def tokenizer(self, timeout: float = 60):
         """The server's tokenizer (None if it ships none)."""
-        from .tokenizer import load_tokenizer
+        from ..text.tokenizer import load_tokenizer
 
         data, digest = b"", ""
         for chunk in self.stub.GetTokenizer(common_pb2.GetTokenizerRequest(), metadata=self.metadata,

@@ -1,4 +1,4 @@
-"""Cache planning and the per-request cache bookkeeping the scheduler and runner share.
+"""The per-request cache bookkeeping the scheduler and runner share, and the device cache.
 
 Why this split: the device ``Cache`` (``k3serve.model.cache``) is just three arrays; which
 slot and which pages a request owns is host-side state that the scheduler must consult
@@ -7,14 +7,8 @@ before admitting or growing a request, and that the runner turns into ``slot_ids
 abort and preemption all go through the same ``release`` and cannot leak pages or slots;
 ``check_invariants`` makes that checkable.
 
-Budget rule (``plan_capacity``): KDA slots are fixed-size and needed per *running request*,
-MLA pages grow with tokens. So slots come first: ``max_num_seqs`` request slots plus the
-scratch slot, at float32 state + conv window, whatever the model dtype. Everything left of
-the budget becomes MLA pages. A plan must hold at least one page per sequence, or it
-raises. A model without MLA layers has pages that cost 0 bytes; it gets a nominal page pool
-of ``max_num_seqs * ceil(tokens_per_seq / page_size)`` pages with ``tokens_per_seq =
-cfg.max_position_embeddings`` (or ``NOMINAL_TOKENS_PER_SEQ`` when unset), so page
-accounting never limits it below its context length.
+Capacity planning (how many slots and pages a budget buys) is in ``planning.py``; the
+device copy programs are in ``device_ops.py``.
 
 Device layout (allocated by ``allocate_cache`` with the plan's sizes):
   kda_state [nK, num_slots, H, dk, dv]      float32, slot 0 = scratch (padding rows)
@@ -32,130 +26,13 @@ from collections.abc import Hashable, Iterable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from k3serve.model.cache import allocate_cache, cache_bytes
+from ....intmath import cdiv, pad_pow2
+from ....model.cache import allocate_cache, cache_bytes
 
+from .device_ops import PROGRAMS
 from .pages import PagePool
+from .planning import CapacityPlan
 from .slots import SCRATCH, SlotPool
-
-NOMINAL_TOKENS_PER_SEQ = 131072  # page accounting for a model with no MLA layers and no max_position_embeddings
-
-
-@dataclasses.dataclass(frozen=True)
-class CachePlan:
-    num_pages: int
-    num_slots: int  # including the scratch slot
-    page_size: int
-    bytes_per_page: int  # one page across all MLA layers
-    bytes_per_slot: int  # one slot's state + conv window across all KDA layers
-    total_bytes: int  # the whole device cache
-    max_tokens_in_kv: int  # num_pages * page_size
-    max_tokens_per_request: int  # num_pages / dp * page_size (a request lives in one DP group)
-    max_concurrent_slots: int  # num_slots - dp (one scratch slot per attention DP group)
-    dp: int = 1  # attention DP groups: slots and pages split into dp equal ranges
-    dcp: int = 1  # decode context parallel ranks per group: each group's pages in dcp blocks
-    snapshot_slots: int = 0  # KDA prefix snapshot slots (issue #6), split evenly over the DP groups
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = None,
-                  max_num_seqs: int, num_pages: int | None = None, dp: int = 1, dcp: int = 1,
-                  snapshot_slots: int = 0) -> CachePlan:
-    """Size the cache: ``max_num_seqs`` slots (+ scratch), then pages from what is left.
-
-    Give ``kv_memory_bytes`` (the device budget for the whole cache) or ``num_pages``
-    (explicit; if a budget is also given it is checked against it).
-
-    Under a recipe with attention DP (``dp`` groups) and DCP (``dcp`` ranks per group) the
-    slots split into ``dp`` equal groups (``ceil(max_num_seqs / dp)`` + a scratch slot each)
-    and the pages into ``dp * dcp`` equal blocks (rounded down to a multiple); a request
-    lives in one group, so it can hold at most ``num_pages / dp`` pages.
-
-    ``snapshot_slots`` (prefix caching, rounded up to a multiple of ``dp``) are extra KDA slots
-    for prefix state snapshots; like request slots they are paid for before the pages.
-    """
-    if dp < 1 or dcp < 1:
-        raise ValueError(f"dp and dcp must be >= 1, got {dp}, {dcp}")
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    if kv_memory_bytes is None and num_pages is None:
-        raise ValueError("plan_capacity needs kv_memory_bytes or num_pages")
-    dtype = jnp.dtype(dtype)
-    if snapshot_slots < 0:
-        raise ValueError(f"snapshot_slots must be >= 0, got {snapshot_slots}")
-    snap = dp * _cdiv(snapshot_slots, dp)
-    num_slots = dp * (_cdiv(max_num_seqs, dp) + 1) + snap
-    blocks = dp * dcp
-    # per-unit costs straight from the model's own layout, so they cannot drift from it
-    bytes_per_slot = cache_bytes(cfg, 1, 0, page_size, dtype)
-    bytes_per_page = cache_bytes(cfg, 0, 1, page_size, dtype)
-    slot_bytes = num_slots * bytes_per_slot
-
-    if num_pages is not None:
-        if num_pages < blocks:
-            raise ValueError(f"num_pages must be >= {blocks} (dp × dcp blocks), got {num_pages}")
-        num_pages -= num_pages % blocks
-        total = slot_bytes + num_pages * bytes_per_page
-        if kv_memory_bytes is not None and total > kv_memory_bytes:
-            raise ValueError(f"cache of {num_slots} slots and {num_pages} pages needs {total} bytes, "
-                             f"over the budget of {kv_memory_bytes} bytes")
-    else:
-        need = slot_bytes + max_num_seqs * bytes_per_page
-        if kv_memory_bytes < need:
-            raise ValueError(
-                f"kv_memory_bytes={kv_memory_bytes} cannot hold {max_num_seqs} sequences: "
-                f"{num_slots} KDA slots ({bytes_per_slot} bytes each, incl. scratch) plus one "
-                f"{page_size}-token MLA page per sequence ({bytes_per_page} bytes each) need {need} bytes; "
-                f"raise the budget or lower max_num_seqs / page_size")
-        if bytes_per_page == 0:
-            tokens = cfg.max_position_embeddings or NOMINAL_TOKENS_PER_SEQ
-            num_pages = max_num_seqs * _cdiv(tokens, page_size)
-        else:
-            num_pages = (kv_memory_bytes - slot_bytes) // bytes_per_page
-        num_pages -= num_pages % blocks
-        if num_pages < blocks:
-            raise ValueError(f"kv_memory_bytes={kv_memory_bytes} leaves fewer pages than the {blocks} dp × dcp blocks")
-    total = cache_bytes(cfg, num_slots, num_pages, page_size, dtype)
-    return CachePlan(num_pages=int(num_pages), num_slots=num_slots, page_size=int(page_size),
-                     bytes_per_page=bytes_per_page, bytes_per_slot=bytes_per_slot, total_bytes=total,
-                     max_tokens_in_kv=int(num_pages) * int(page_size),
-                     max_tokens_per_request=int(num_pages) // dp * int(page_size), max_concurrent_slots=num_slots - dp - snap,
-                     dp=dp, dcp=dcp, snapshot_slots=snap)
-
-
-def _pow2(xs) -> list:
-    """``xs`` padded to a power-of-two length with repeats of its first element."""
-    xs = list(xs)
-    return xs + [xs[0]] * ((1 << (len(xs) - 1).bit_length()) - len(xs))
-
-
-def _copy_pages(cache, src, dst):
-    kv = cache.mla_kv
-    return dataclasses.replace(cache, mla_kv=kv.at[:, dst].set(kv[:, src]))
-
-
-def _copy_slots(cache, src, dst):
-    st, cv = cache.kda_state, cache.kda_conv
-    return dataclasses.replace(cache, kda_state=st.at[:, dst].set(st[:, src]), kda_conv=cv.at[:, dst].set(cv[:, src]))
-
-
-def _load_prefix(cache, idx, rows, slot, state, conv):
-    return dataclasses.replace(cache, mla_kv=cache.mla_kv.at[:, idx].set(rows.astype(cache.mla_kv.dtype)),
-                               kda_state=cache.kda_state.at[:, slot].set(state),
-                               kda_conv=cache.kda_conv.at[:, slot].set(conv))
-
-
-def _read_prefix(cache, slot, idx):
-    return cache.kda_state[:, slot], cache.kda_conv[:, slot], cache.mla_kv[:, idx]
-
-
-# name -> (body, returns the cache): the small device programs of prefix caching
-_PROGRAMS = {"pages": (_copy_pages, True), "slots": (_copy_slots, True), "load": (_load_prefix, True),
-             "read": (_read_prefix, False)}
 
 
 @dataclasses.dataclass
@@ -169,18 +46,18 @@ class _Request:
 class CacheManager:
     """The device cache plus who owns which slot and pages.
 
-    ``self.cache`` is the live device ``Cache``; the runner replaces it after each step
-    (``manager.cache = new_cache``). ``allocate=False`` keeps only the bookkeeping
-    (scheduler tests, planning) and leaves ``cache`` as None.
+    ``self.device_cache`` is the live device ``Cache``; the runner replaces it after each step
+    (``cache_mgr.device_cache = new_cache``). ``allocate=False`` keeps only the bookkeeping
+    (scheduler tests, planning) and leaves ``device_cache`` as None.
     """
 
-    def __init__(self, cfg, plan: CachePlan, dtype, *, allocate: bool = True):
+    def __init__(self, cfg, plan: CapacityPlan, dtype, *, allocate: bool = True):
         dtype = jnp.dtype(dtype)
         expect = cache_bytes(cfg, plan.num_slots, plan.num_pages, plan.page_size, dtype)
         if expect != plan.total_bytes:
             raise ValueError(f"plan does not match this config/dtype ({dtype}): it budgets "
                              f"{plan.total_bytes} bytes, the cache would take {expect}")
-        self.cfg, self.plan, self.dtype = cfg, plan, dtype
+        self.cfg, self.capacity_plan, self.dtype = cfg, plan, dtype
         self.page_size = plan.page_size
         self.dp, self.dcp = plan.dp, plan.dcp
         self.pages = PagePool(plan.num_pages, plan.dp * plan.dcp)
@@ -190,7 +67,7 @@ class CacheManager:
         self._slot_copies: list[tuple[int, int]] = []  # (src slot, dst slot)
         self._copy_fns: dict = {}
         self.num_copies = 0
-        self.cache = (allocate_cache(cfg, plan.num_slots, plan.num_pages, plan.page_size, dtype)
+        self.device_cache = (allocate_cache(cfg, plan.num_slots, plan.num_pages, plan.page_size, dtype)
                       if allocate else None)
 
     # ------------------------------------------------------------------ per request
@@ -255,17 +132,17 @@ class CacheManager:
         the device sees the cache: after every step launched so far, before the next). All
         sources are read before any destination is written. Returns the copies made."""
         n = len(self._page_copies) + len(self._slot_copies)
-        if self.cache is None:  # bookkeeping only (no device cache)
+        if self.device_cache is None:  # bookkeeping only (no device cache)
             self._page_copies.clear()
             self._slot_copies.clear()
             return n
         if self._page_copies:
             src, dst = zip(*self._page_copies)
-            self.cache = self._program("pages")(self.cache, *self._pad(src, dst))
+            self.device_cache = self._program("pages")(self.device_cache, *self._pad(src, dst))
             self._page_copies.clear()
         if self._slot_copies:
             src, dst = zip(*self._slot_copies)
-            self.cache = self._program("slots")(self.cache, *self._pad(src, dst))
+            self.device_cache = self._program("slots")(self.device_cache, *self._pad(src, dst))
             self._slot_copies.clear()
         self.num_copies += n
         return n
@@ -275,39 +152,39 @@ class CacheManager:
         ``[nM, P', page_size, W]``, the page count padded to a power of two with repeats) —
         dispatched now, so they read what those hold after every launched step. One program
         per power of two."""
-        return self._program("read")(self.cache, jnp.int32(slot), jnp.asarray(_pow2(pages), jnp.int32))
+        return self._program("read")(self.device_cache, jnp.int32(slot), jnp.asarray(pad_pow2(pages), jnp.int32))
 
     def write_prefix(self, rid: Hashable, rows, state, conv) -> None:
         """Write a reloaded prefix into ``rid``'s pages (which must cover its rows) and slot."""
         req = self._req(rid)
         n = rows.shape[1]
-        P = _cdiv(n, self.page_size)
+        P = cdiv(n, self.page_size)
         pages = req.pages[:P]
         if len(pages) < P:
             raise ValueError(f"request {rid!r} holds {len(req.pages)} pages, fewer than the {P} to load")
         pad = np.zeros((rows.shape[0], P * self.page_size, rows.shape[2]), rows.dtype)
         pad[:, :n] = rows
         pad = pad.reshape(rows.shape[0], P, self.page_size, rows.shape[2])
-        idx = _pow2(pages)  # the page count padded to a power of two (repeats of page 0: the same write)
-        pad = pad[:, _pow2(list(range(P)))]
+        idx = pad_pow2(pages)  # the page count padded to a power of two (repeats of page 0: the same write)
+        pad = pad[:, pad_pow2(list(range(P)))]
         self.flush_copies()
-        self.cache = self._program("load")(self.cache, jnp.asarray(idx, jnp.int32), jnp.asarray(pad),
+        self.device_cache = self._program("load")(self.device_cache, jnp.asarray(idx, jnp.int32), jnp.asarray(pad),
                                            jnp.int32(req.slot), jnp.asarray(state), jnp.asarray(conv))
 
     @staticmethod
     def _pad(src, dst):
         """Pad to a power of two with repeats of the first copy (identical writes, defined)."""
-        return jnp.asarray(_pow2(src), jnp.int32), jnp.asarray(_pow2(dst), jnp.int32)
+        return jnp.asarray(pad_pow2(src), jnp.int32), jnp.asarray(pad_pow2(dst), jnp.int32)
 
     def _program(self, name: str):
-        """The jitted cache program ``name`` (``_PROGRAMS``), built once. Programs that return
+        """The jitted cache program ``name`` (``PROGRAMS``), built once. Programs that return
         a cache donate it and keep the layout the step expects (its shardings)."""
         fn = self._copy_fns.get(name)
         if fn is None:
             import jax
 
-            body, writes = _PROGRAMS[name]
-            fn = (jax.jit(body, donate_argnums=0, out_shardings=jax.tree.map(lambda a: a.sharding, self.cache))
+            body, writes = PROGRAMS[name]
+            fn = (jax.jit(body, donate_argnums=0, out_shardings=jax.tree.map(lambda a: a.sharding, self.device_cache))
                   if writes else jax.jit(body))
             self._copy_fns[name] = fn
         return fn
@@ -328,7 +205,7 @@ class CacheManager:
     def pages_needed(self, rid: Hashable, total_tokens: int) -> int:
         """Extra pages ``rid`` needs to hold ``total_tokens`` (0 if it already can)."""
         have = len(self._req(rid).pages)
-        return max(0, _cdiv(max(total_tokens, 0), self.page_size) - have)
+        return max(0, cdiv(max(total_tokens, 0), self.page_size) - have)
 
     def ensure_tokens(self, rid: Hashable, total_tokens: int) -> bool:
         """Grow ``rid``'s pages to cover ``total_tokens``; all or nothing. Never shrinks."""
@@ -405,7 +282,7 @@ class CacheManager:
         return self.slots.num_free
 
     def capacity(self) -> dict:
-        p = self.plan
+        p = self.capacity_plan
         return {"max_tokens_in_kv": p.max_tokens_in_kv, "max_concurrent_slots": p.max_concurrent_slots,
                 "max_tokens_per_request": p.max_tokens_per_request, "dp": p.dp, "dcp": p.dcp,
                 "page_size": p.page_size, "num_pages": p.num_pages, "num_slots": p.num_slots,
@@ -437,7 +314,7 @@ class CacheManager:
         assert self.pages.num_free + self.pages.num_used == self.pages.num_pages, "page counts do not add up"
         assert self.pages.num_used == len(holders), f"{self.pages.num_used} pages in use, {len(holders)} held"
         assert self.slots.num_used == len(self._reqs), f"{self.slots.num_used} slots in use for {len(self._reqs)} requests"
-        if self.cache is not None:
-            c = self.cache
-            assert (c.num_slots, c.num_pages, c.page_size) == (self.plan.num_slots, self.plan.num_pages, self.page_size), \
+        if self.device_cache is not None:
+            c = self.device_cache
+            assert (c.num_slots, c.num_pages, c.page_size) == (self.capacity_plan.num_slots, self.capacity_plan.num_pages, self.page_size), \
                 f"device cache (slots, pages, page_size) = {(c.num_slots, c.num_pages, c.page_size)} differs from the plan"

@@ -1,0 +1,109 @@
+"""``k3serve serve``: the process around an engine — gRPC, metrics, signals, load, drain.
+
+The model loads and warms up on a worker thread so the main thread stays in Python and
+handles SIGTERM/SIGINT at once, even while XLA compiles. Once loaded, the engine thread runs
+the steps and the gRPC servicer talks to it; SIGTERM drains in-flight requests for the grace
+period, then stops.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from ...checkpoints.synthetic import model_or_demo
+from ...compile_cache import enable_compile_cache
+from ..cli import prefix_kwargs
+from .engine_thread import EngineThread
+from .grpc_service import GrpcServer, Servicer
+from .metrics import Metrics
+
+
+def serve(args) -> int:
+    """Serve a checkpoint over gRPC until SIGTERM/SIGINT (then drain and exit 0)."""
+    import signal
+    import threading
+
+    enable_compile_cache()
+
+    path = model_or_demo(args.model)
+    metrics = Metrics()
+    servicer = Servicer(model_dir=path, served_model_name=args.served_model_name or path.name, metrics=metrics)
+    server = GrpcServer(servicer, host=args.host, port=args.port, api_key=args.api_key, tls_cert=args.tls_cert,
+                        tls_key=args.tls_key, max_message_bytes=args.max_message_mb << 20,
+                        max_workers=args.max_concurrent_rpcs + 8)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"k3serve: gRPC on {args.host}:{server.port} (NOT_SERVING while loading {path})", flush=True)
+    if args.metrics_port >= 0:
+        mport = metrics.serve_http(args.metrics_host, args.metrics_port)
+        print(f"k3serve: Prometheus metrics on http://{args.metrics_host}:{mport}/metrics", flush=True)
+    # load + warm up on a worker thread: the main thread stays in Python, so SIGTERM/SIGINT
+    # are handled at once even while XLA compiles
+    box: dict = {}
+
+    def load():
+        try:
+            box["loop"] = _start_engine(args, path, metrics)
+        except BaseException as e:  # reported by the main thread
+            box["error"] = e
+
+    loader = threading.Thread(target=load, name="k3serve-load", daemon=True)
+    loader.start()
+    while loader.is_alive() and not stop.wait(0.2):
+        pass
+    if stop.is_set() and loader.is_alive():
+        print("k3serve: stopped while loading", flush=True)
+        server.server.stop(0)
+        metrics.close()
+        os._exit(0)  # the loader thread cannot be interrupted inside XLA
+    if "error" in box:
+        server.server.stop(0)
+        metrics.close()
+        print(f"k3serve: failed to load {path}: {box['error']!r}", file=sys.stderr, flush=True)
+        return 1
+    loop = box["loop"]
+    if not stop.is_set():
+        server.set_ready(loop)
+        st = loop.stats()
+        print(f"k3serve: SERVING {path.name}: max_num_seqs {args.max_num_seqs}, KV {st['max_tokens_in_kv']} tokens "
+              f"({st['max_concurrent_slots']} KDA slots), warm-up {st['warmup_s']:.1f}s, "
+              f"{st['num_compiles']} programs", flush=True)
+    while not stop.wait(0.5):
+        if loop.error is not None:
+            print(f"k3serve: engine failed: {loop.error!r}", file=sys.stderr, flush=True)
+            server.shutdown(0)
+            return 1
+    print("k3serve: shutting down (draining in-flight requests)", flush=True)
+    aborted = server.shutdown(args.grace_period)
+    metrics.close()
+    print(f"k3serve: stopped ({aborted} requests aborted at the deadline)", flush=True)
+    return 0
+
+
+def _start_engine(args, path, metrics):
+    from ...model import load_pretrained
+    from ..engine.engine import Engine
+    from ..engine.llm import recipe_placement
+
+    # with a recipe: mesh first, then every parameter loaded straight into its shards
+    m = load_pretrained(path, dtype=args.dtype, dequantize_experts=args.dequantize_experts,
+                        placement=recipe_placement(path, args.recipe))
+    detok = None
+    try:
+        from ..text.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(path)
+        if tok is not None:
+            detok = lambda ids: tok.decode(ids)
+    except ImportError:
+        pass
+    kv = dict(kv_memory_bytes=int(args.kv_memory_gb * (1 << 30))) if args.kv_memory_gb else (
+        dict(num_pages=args.num_pages) if args.num_pages else {})
+    eng = Engine(m, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                 chunk_size=args.chunk_size, page_size=args.page_size, max_model_len=args.max_model_len,
+                 detokenize=detok, async_scheduling=not args.sync, recipe=args.recipe,
+                 **prefix_kwargs(args), **kv)
+    loop = EngineThread(eng, on_output=metrics.observe_output)
+    metrics.loop = loop
+    return loop

@@ -1,0 +1,32 @@
+"""The small device programs of prefix caching, each a pure function of the device cache:
+copy pages (copy-on-write of a shared tail page), copy slots (snapshot <-> request slot),
+load a host-tier prefix into pages and a slot, read one out for offload. ``CacheManager``
+jits each once (index arrays padded to a power of two, so few shapes compile).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+def _copy_pages(cache, src, dst):
+    kv = cache.mla_kv
+    return dataclasses.replace(cache, mla_kv=kv.at[:, dst].set(kv[:, src]))
+
+
+def _copy_slots(cache, src, dst):
+    st, cv = cache.kda_state, cache.kda_conv
+    return dataclasses.replace(cache, kda_state=st.at[:, dst].set(st[:, src]), kda_conv=cv.at[:, dst].set(cv[:, src]))
+
+
+def _load_prefix(cache, idx, rows, slot, state, conv):
+    return dataclasses.replace(cache, mla_kv=cache.mla_kv.at[:, idx].set(rows.astype(cache.mla_kv.dtype)),
+                               kda_state=cache.kda_state.at[:, slot].set(state),
+                               kda_conv=cache.kda_conv.at[:, slot].set(conv))
+
+
+def _read_prefix(cache, slot, idx):
+    return cache.kda_state[:, slot], cache.kda_conv[:, slot], cache.mla_kv[:, idx]
+
+
+# name -> (body, returns the cache): the small device programs of prefix caching
+PROGRAMS = {"pages": (_copy_pages, True), "slots": (_copy_slots, True), "load": (_load_prefix, True),
+             "read": (_read_prefix, False)}

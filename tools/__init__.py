@@ -1,1 +1,0 @@
-"""See ARCHITECTURE in the README."""
