@@ -4,13 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test serve install clean
+.PHONY: test serve install clean wheel-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml setup.py
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
@@ -18,6 +18,10 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The wheel, installed (not editable) in a fresh temporary venv: console script, API, every module.
+wheel-check: $(STAMP)
+	bash .ci/wheel-check $(BIN)/python
 
 serve: $(STAMP)
 	$(BIN)/k3serve serve

@@ -48,6 +48,20 @@ def _strip(name: str) -> str | None:
     return n
 
 
+# transformers >= 5 saves a dense layer's MLP (layers < first_k_dense_replace, or off the MoE
+# frequency) as ``block_sparse_moe.{gate,up,down}_proj``: its Kimi Linear save-time renaming maps
+# ``.mlp.`` to ``.block_sparse_moe.`` on every layer. The original release writes ``mlp.*``.
+_SAVED_DENSE_MLP = re.compile(r"^(model\.layers\.(\d+)\.)block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
+
+
+def _canonical(name: str, cfg) -> str:
+    """One spelling per tensor: a dense layer's ``block_sparse_moe.*_proj`` becomes ``mlp.*_proj``."""
+    m = _SAVED_DENSE_MLP.match(name)
+    if m and int(m.group(2)) < cfg.num_hidden_layers and not cfg.is_moe_layer(int(m.group(2))):
+        return f"{m.group(1)}mlp.{m.group(3)}"
+    return name
+
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
 
@@ -269,10 +283,12 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
         name = _strip(raw_name)
         if name is None:
             continue
+        name = _canonical(name, cfg)
         tgt = _resolve(model, cfg, name, dequantize_experts)
         if tgt is None:
             raise CheckpointError(f"{source}: unexpected tensor {raw_name!r} (shape {list(shape)}) for this config")
-        if name in seen_stripped:  # the same tensor twice, e.g. with and without "language_model."
+        if name in seen_stripped:  # the same tensor twice, e.g. with and without "language_model.",
+            # or a dense MLP under both mlp. and block_sparse_moe.
             raise CheckpointError(f"{source}: duplicate tensor {raw_name!r} (same as {seen_stripped[name]!r})")
         seen_stripped[name] = raw_name
         if isinstance(tgt, str):  # MXFP4 part, dequantized at load

@@ -7,7 +7,8 @@ import numpy as np
 
 DATA = pathlib.Path(__file__).parent / "data"
 K3_CASES = ["k3-tiny-a", "k3-tiny-b"]
-ALL_CASES = K3_CASES + ["kimi-linear-tiny"]
+# kimi-linear-tiny-dense: saved by transformers 5 (a dense layer 0 as block_sparse_moe.*_proj)
+ALL_CASES = K3_CASES + ["kimi-linear-tiny", "kimi-linear-tiny-dense"]
 
 _models: dict = {}
 

@@ -26,6 +26,7 @@ from k3serve.model.weights import CheckpointError, expected_tensor_names
 
 K3A = DATA / "k3-tiny-a"
 KL = DATA / "kimi-linear-tiny"
+KLD = DATA / "kimi-linear-tiny-dense"  # written by transformers 5 save_pretrained
 P = "language_model.model."
 
 
@@ -135,6 +136,50 @@ def test_duplicate_tensor_under_two_spellings_is_an_error(tmp_path):
     path = copy_checkpoint(tmp_path, extra=[("lm_head.weight", lm)])
     msg = load_error(path)
     assert "duplicate" in msg and "lm_head.weight" in msg
+
+
+# ------------------------------------------------------------------ 3b: dense-MLP spellings
+DENSE = [f"model.layers.0.{{}}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+
+
+def renamed_checkpoint(dst, src, rename):
+    with open_checkpoint(src) as ck:
+        write_checkpoint(dst, ck.config, ((rename.get(n, n), ck.get(n)) for n in ck.keys()))
+    return dst
+
+
+def test_dense_mlp_loads_under_both_spellings(tmp_path):
+    """transformers >= 5 saves a dense layer's MLP as block_sparse_moe.*_proj (the test case),
+    the original release as mlp.*_proj: both load, to the same parameters."""
+    with open_checkpoint(KLD) as ck:
+        names = set(ck.keys())
+        assert {n.format("block_sparse_moe") for n in DENSE} <= names
+        assert not any(".mlp." in n for n in names)
+    saved = load_pretrained(KLD)
+    assert not saved.config.is_moe_layer(0)
+    orig = load_pretrained(renamed_checkpoint(
+        tmp_path / "orig", KLD, {n.format("block_sparse_moe"): n.format("mlp") for n in DENSE}))
+    got, want = param_leaves(orig), param_leaves(saved)
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+    with open_checkpoint(KLD) as ck:
+        w = ck.get(DENSE[2].format("block_sparse_moe")).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(module_of(saved).layers[0].mlp.down_proj.weight[...]), w)
+
+
+def test_dense_mlp_under_both_spellings_at_once_is_an_error(tmp_path):
+    with open_checkpoint(KLD) as ck:
+        w = ck.get(DENSE[0].format("block_sparse_moe"))
+    path = copy_checkpoint(tmp_path, src=KLD, extra=[(DENSE[0].format("mlp"), w)])
+    msg = load_error(path)
+    assert "duplicate" in msg and DENSE[0].format("mlp") in msg
+
+
+def test_moe_layer_has_no_dense_mlp_spelling(tmp_path):
+    """Only a dense layer's block_sparse_moe.*_proj is its MLP; on a MoE layer it is unknown."""
+    bogus = "model.layers.1.block_sparse_moe.gate_proj.weight"
+    path = copy_checkpoint(tmp_path, src=KLD, extra=[(bogus, np.zeros((64, 32), np.float32))])
+    msg = load_error(path)
+    assert "unexpected tensor" in msg and bogus in msg
 
 
 # ------------------------------------------------------------------ 4: vision tensors are skipped

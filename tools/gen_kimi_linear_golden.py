@@ -3,7 +3,8 @@
 Why: ``tests/data/kimi-linear-tiny/golden.npz`` was produced by transformers'
 ``KimiLinearForCausalLM`` (float32, CPU, eager attention, transformers' pure-torch KDA and
 short-convolution fallbacks). This script is the recipe for that file. It rebuilds the same
-arrays for any Kimi-Linear checkpoint in the original Kimi-Linear tensor names, and it can check
+arrays for any Kimi-Linear checkpoint, in the original Kimi-Linear tensor names or in those
+transformers >= 5 saves (see ``--init-config`` below), and it can check
 a new run against an existing golden file (``--compare``).
 
 Each prompt is run alone (batch 1). These arrays are written for each sequence i:
@@ -35,6 +36,22 @@ flash-linear-attention's triton kernels, and those fail on a machine without a G
         --compare tests/data/kimi-linear-tiny/golden.npz
     .peer-venv/bin/python tools/gen_kimi_linear_golden.py --model DIR \\
         --prompts random:0:64,5 --out kl_random.npz
+
+``--init-config CONFIG --seed N`` first makes the checkpoint itself: transformers builds
+``KimiLinearForCausalLM`` from CONFIG with random weights (``torch.manual_seed(N)``, transformers'
+own initialisation), casts it to ``--init-dtype`` and writes it to ``--model`` with
+``save_pretrained``. Such a checkpoint has transformers' save-time tensor names: transformers >= 5
+renames ``.mlp.`` to ``.block_sparse_moe.`` on save, so a dense layer (``first_k_dense_replace``)
+is written as ``model.layers.0.block_sparse_moe.{gate,up,down}_proj.weight`` where the original
+release writes ``model.layers.0.mlp.*``. ``tests/data/kimi-linear-tiny-dense`` was made this way:
+
+    .peer-venv/bin/python tools/gen_kimi_linear_golden.py --model tests/data/kimi-linear-tiny-dense \\
+        --init-config tests/data/kimi-linear-tiny-dense/config.json --seed 0 --init-dtype bfloat16 \\
+        --prompts random:7:29,16,3 --out tests/data/kimi-linear-tiny-dense/golden.npz
+
+Its config.json is the one transformers wrote (initializer_range 0.5, so that the logits have
+the scale of kimi-linear-tiny's); with torch 2.13.0 (CPU) and transformers 5.23.0 the command
+rewrites config.json, model.safetensors and golden.npz byte for byte.
 
 The tests never import this script, and k3serve's own code must not import it either: the test
 suite does not depend on torch or transformers.
@@ -190,6 +207,27 @@ def verify_and_fix_weights(model, model_dir: Path) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 # Model
 
+def init_checkpoint(config_path: Path, model_dir: Path, seed: int, dtype: str) -> None:
+    """Build a randomly initialised KimiLinearForCausalLM from a config and save_pretrained it."""
+    import torch
+    from safetensors import safe_open
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    cfg = KimiLinearConfig.from_json_file(str(config_path))  # read before model_dir is written
+    torch.manual_seed(seed)
+    model = KimiLinearForCausalLM(cfg).to(getattr(torch, dtype))
+    model_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(model_dir))
+    n = sum(p.numel() for p in model.parameters())
+    print(f"initialised {n} parameters from {config_path} (seed {seed}, {dtype}) and saved them to {model_dir}")
+    names: list[str] = []
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            names += list(h.keys())
+    dense = sorted(k for k in names if re.search(r"\.layers\.\d+\.(mlp|block_sparse_moe)\.(gate|up|down)_proj\.", k))
+    print(f"  dense-MLP tensors as saved: {dense or 'none'}")
+
+
 def load_model(model_dir: Path, threads: int | None):
     import torch
     import transformers
@@ -321,7 +359,8 @@ def _sort_key(name: str):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, required=True,
-                    help="Kimi-Linear HF dir: config.json + model.safetensors (original checkpoint names)")
+                    help="Kimi-Linear HF dir: config.json + model.safetensors (original or transformers tensor names); "
+                         "with --init-config it is written first")
     ap.add_argument("--out", type=Path, required=True, help="output .npz")
     ap.add_argument("--prompts", required=True,
                     help="from-golden:PATH (reuse input_ids_i of an existing golden) or random:SEED:LEN1,LEN2,...")
@@ -333,6 +372,12 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"--compare fails above this max|diff| / max|ref| for float arrays (default {DEFAULT_RTOL:g})")
     ap.add_argument("--check-generate", action="store_true",
                     help="also check that model.generate(do_sample=False) reproduces gen_tokens_i")
+    ap.add_argument("--init-config", type=Path, default=None,
+                    help="first create --model: a randomly initialised KimiLinearForCausalLM built from this "
+                         "config.json and written with transformers' save_pretrained (transformers' tensor names)")
+    ap.add_argument("--seed", type=int, default=0, help="torch.manual_seed for --init-config (default 0)")
+    ap.add_argument("--init-dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                    help="dtype the --init-config checkpoint is saved in (default bfloat16)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch.set_num_threads; 0 = torch's default (default 1: a fixed reduction order, and "
                          "several times faster than 2 threads for these tiny shapes)")
@@ -349,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     t0 = time.perf_counter()
-    config = json.loads((args.model / "config.json").read_text())
+    config = json.loads((args.init_config or args.model / "config.json").read_text())
     vocab = int(config.get("text_config", config)["vocab_size"])
     prompts, golden_n = parse_prompts(args.prompts, vocab)
     n_gen = args.num_generated or golden_n or DEFAULT_NUM_GENERATED
@@ -361,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, numpy {np.__version__}, "
           f"flash-linear-attention {'present' if importlib.util.find_spec('fla') else 'absent'}, triton absent")
 
+    if args.init_config is not None:
+        init_checkpoint(args.init_config, args.model, args.seed, args.init_dtype)
     model = load_model(args.model, args.threads)
     arrays: dict[str, np.ndarray] = {
         "lengths": np.asarray([p.size for p in prompts], dtype=np.int32),
