@@ -42,11 +42,7 @@ def build_mesh(recipe: Recipe, devices=None):
     from jax.sharding import AxisType, Mesh
 
     devices = list(jax.devices() if devices is None else devices)
-    recipe.validate(num_devices=len(devices))
-    if recipe.ep % recipe.dp:
-        raise RecipeError(f"dp={recipe.dp} must divide ep={recipe.ep}: the attention DP groups are slices of the "
-                          f"expert groups in this mesh layout")
-    dcp_axes(recipe), sp_axes(recipe)  # layout checks
+    recipe.validate(num_devices=len(devices))  # includes the layout checks (dp | ep; dcp, sp on whole axes)
     shape = (recipe.dp, recipe.ep // recipe.dp, recipe.tp)
     return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES, axis_types=(AxisType.Auto,) * 3)
 

@@ -30,6 +30,8 @@ Everything else in the step runs under XLA's Auto partitioner with the parameter
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -70,16 +72,35 @@ class StepParallel:
     def _ax(self, axes):
         return None if not axes else (axes if len(axes) > 1 else axes[0])
 
+    def _slot_spec(self, pool) -> P:
+        """The layout of a KDA pool ``[n, slots, ...]``: slots over ``"dp"``; for the state
+        ``[n, slots, H, dk, dv]`` also the heads over the attention group ``ATTN`` when they
+        divide it (else whole) — the one rule of :meth:`cache_specs`, :meth:`take_slots` and
+        :meth:`put_slots`, so the step returns the cache in the layout it was given."""
+        if pool.ndim != 5:  # kda_conv [n, slots, W-1, 3P]
+            return P(None, self.rows_axis, *([None] * (pool.ndim - 2)))
+        return P(None, self.rows_axis, self._state_heads(pool.shape[2]), None, None)
+
+    def _state_heads(self, kda_heads: int):
+        return ATTN if kda_heads % self.recipe.attn_group == 0 else None
+
     def cache_specs(self, kda_heads: int) -> dict:
-        group = self.recipe.attn_group
-        heads = ATTN if kda_heads % group == 0 else None
-        return {"kda_state": P(None, self.rows_axis, heads, None, None),
+        return {"kda_state": P(None, self.rows_axis, self._state_heads(kda_heads), None, None),
                 "kda_conv": P(None, self.rows_axis, None, None),
                 "mla_kv": P(None, self._ax(self.page_axes), None, None)}
 
     def cache_shardings(self, kda_heads: int) -> dict:
         """NamedSharding of each cache array (``kda_state``, ``kda_conv``, ``mla_kv``)."""
         return {k: NamedSharding(self.mesh, v) for k, v in self.cache_specs(kda_heads).items()}
+
+    def pin_cache(self, cache):
+        """``cache`` (a ``model.cache.Cache``, inside a jitted step) constrained to
+        :meth:`cache_shardings`: the cache a step returns has exactly the layout it was
+        allocated with, so it can go straight into the next ahead-of-time compiled step
+        (whose input shardings are fixed) and the donated buffers are reused."""
+        sh = self.cache_shardings(cache.kda_state.shape[2])
+        return dataclasses.replace(cache, **{k: jax.lax.with_sharding_constraint(getattr(cache, k), v)
+                                             for k, v in sh.items()})
 
     # ------------------------------------------------------------------ MLA with DCP / DP
     def mla_attention(self, q_lat, q_rope, rows, kv_pool, layer: int, page_table, positions, valid, kv_lens,
@@ -135,23 +156,23 @@ class StepParallel:
 
     # ------------------------------------------------------------------ KDA slots by DP group
     def take_slots(self, pool, slots):
-        """``pool[:, slots]`` where each DP group's rows name only its own slots."""
+        """``pool[:, slots]`` where each DP group's rows name only its own slots (the KDA
+        state keeps its heads split over the group: :meth:`_slot_spec`)."""
         if self.dp == 1:
             return pool[:, slots]
-        spec = P(None, "dp", *([None] * (pool.ndim - 2)))
+        spec = self._slot_spec(pool)
 
         def local(pool, slots):
             base = jax.lax.axis_index("dp") * pool.shape[1]
             return pool[:, jnp.clip(slots - base, 0, pool.shape[1] - 1)]
 
-        out_spec = P(None, "dp", *([None] * (pool.ndim - 2)))
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, P("dp")), out_specs=out_spec,
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, P("dp")), out_specs=spec,
                              check_vma=False)(pool, slots)
 
     def put_slots(self, pool, slots, rows):
         if self.dp == 1:
             return pool.at[:, slots].set(rows)
-        spec = P(None, "dp", *([None] * (pool.ndim - 2)))
+        spec = self._slot_spec(pool)
 
         def local(pool, slots, rows):
             base = jax.lax.axis_index("dp") * pool.shape[1]

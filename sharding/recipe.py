@@ -17,7 +17,8 @@ k3serve targets; see the README's "Sharding recipes"):
 
 ``Recipe.parse("ep=8,tp=4,dcp=32,sp=4")`` or a preset name; unspecified sizes are 1.
 ``Recipe.validate(cfg, num_devices)`` raises :class:`RecipeError` with a message that says
-what does not divide what. Only ``model/config`` is imported (the sharding floor).
+what does not divide what (or what does not fit the mesh layout); a recipe it accepts runs.
+Only ``model/config`` is imported (the sharding floor).
 """
 from __future__ import annotations
 
@@ -111,6 +112,15 @@ class Recipe:
         """Raise RecipeError if this recipe cannot run ``cfg`` on ``num_devices`` devices."""
         if num_devices is not None and num_devices != self.devices:
             raise RecipeError(f"recipe {self} needs ep × tp = {self.devices} devices, the mesh has {num_devices}")
+        # the mesh layout (sharding.mesh): ("dp", "ep", "tp") of shape (dp, ep / dp, tp); DCP and
+        # SP run over whole axes of one attention group
+        if self.ep % self.dp:
+            raise RecipeError(f"dp={self.dp} must divide ep={self.ep}: the attention DP groups are slices of the "
+                              f"expert groups in this mesh layout (recipe {self})")
+        for what, size in (("dcp", self.dcp), ("sp", self.sp)):
+            if size not in (1, self.tp, self.ep // self.dp, self.attn_group):
+                raise RecipeError(f"{what}={size} must be 1, tp={self.tp}, ep/dp={self.ep // self.dp} or the "
+                                  f"attention group {self.attn_group} in this mesh layout (recipe {self})")
         if cfg is None:
             return self
         g = self.attn_group

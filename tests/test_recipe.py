@@ -51,6 +51,26 @@ def test_presets_fit_the_full_k3_and_checks_name_the_problem():
         Recipe(ep=32, dp=8).validate(small)
 
 
+@pytest.mark.parametrize("recipe, heads, msg", [
+    # the mesh is (dp, ep / dp, tp): a DP group is a slice of the expert groups
+    (Recipe(ep=2, tp=4, dp=4), 8, "dp=4 must divide ep=2"),
+    # DCP and SP run over whole mesh axes of one attention group
+    (Recipe(ep=8, tp=1, dp=2, dcp=2), 8, r"dcp=2 must be 1, tp=1, ep/dp=4 or the attention group 4"),
+    (Recipe(ep=2, tp=4, dp=2, sp=2), 8, r"sp=2 must be 1, tp=4, ep/dp=1 or the attention group 4"),
+    (Recipe(ep=8, tp=1, dcp=4), 8, r"dcp=4 must be 1, tp=1, ep/dp=8 or the attention group 8"),
+    # heads split over the attention group (6 heads: groups of 1, 2 or 3 ranks only)
+    (Recipe(ep=4, tp=2, dp=2), 6, r"KDA heads \(6\) are not divisible by the attention tensor-parallel degree "
+                                  r"\(devices / dp\) = 4"),
+])
+def test_validate_rejects_what_the_step_cannot_run(recipe, heads, msg):
+    """What ``validate`` accepts runs (``test_attention_dp.py`` builds every recipe on 8 devices
+    that validates); these do not fit the mesh layout or the model and say why."""
+    cfg = k3_small(kda_num_heads=heads, mla_num_heads=heads, num_experts=16)
+    with pytest.raises(RecipeError, match=msg):
+        recipe.validate(cfg, num_devices=8)
+    Recipe(ep=4, tp=2, dp=4, dcp=2).validate(cfg, num_devices=8)  # the issue's recipe fits 6 heads
+
+
 def test_memory_plan_full_k3_on_32_chips():
     from k3serve.server.cli import main
     from k3serve.sharding.memory import param_inventory

@@ -144,6 +144,8 @@ class Runner:
             hit = has_prev[:, None] & (jnp.arange(lo)[None, :] == pend_pos[:, None])
             sinp = dataclasses.replace(sinp, output_ids=jnp.where(hit, prev[:, None], sinp.output_ids))
             logits, cache = nnx.merge(graphdef, params)(batch, cache, par=par)
+            if par is not None:  # the cache goes out in the layout it came in (warm-up's AOT programs fix it)
+                cache = par.pin_cache(cache)
             rows = logits[jnp.arange(logits.shape[0]), last_idx]
             out = sample(rows, sinp, max_logprobs)
             B = out.tokens.shape[0]
