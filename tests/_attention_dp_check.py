@@ -16,8 +16,8 @@ import numpy as np
 
 from k3serve.checkpoints.synthetic import generate_checkpoint, k3_config
 from k3serve.model import load_pretrained
-from k3serve.server.llm import LLM
-from k3serve.server.sampling_params import SamplingParams
+from k3serve.server.engine.llm import LLM
+from k3serve.server.engine.sampling_params import SamplingParams
 from k3serve.sharding.mesh import build_mesh
 from k3serve.sharding.parallel import StepParallel
 from k3serve.sharding.recipe import Recipe, RecipeError
@@ -58,15 +58,15 @@ def run_cell(path: str, recipe: str, expect_for) -> dict:
         got = [o.token_ids for o in llm.generate(
             prompts, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))]
         want = eng.par.cache_shardings(eng.model.config.kda_num_heads)
-        layout = {k: str(getattr(eng.cache.cache, k).sharding.spec) for k in want}
-        ndim = {k: getattr(eng.cache.cache, k).ndim for k in want}
+        layout = {k: str(getattr(eng.cache_mgr.device_cache, k).sharding.spec) for k in want}
+        ndim = {k: getattr(eng.cache_mgr.device_cache, k).ndim for k in want}
         out.update(warmup_s=round(eng.warmup_s, 1), run_s=round(time.perf_counter() - t, 1))
         t1 = time.process_time()
         exp = expect_for(prompts)
         out["ref_cpu_s"] = round(time.process_time() - t1, 1)
         out.update(equal=got == exp, got=got, warmup_compiles=warm,
                    later_compiles=eng.runner.num_compiles - warm,
-                   layout_kept=all(getattr(eng.cache.cache, k).sharding.is_equivalent_to(v, ndim[k])
+                   layout_kept=all(getattr(eng.cache_mgr.device_cache, k).sharding.is_equivalent_to(v, ndim[k])
                                    for k, v in want.items()),
                    layout=layout)
     except Exception as e:  # report every cell, not just the first failure
