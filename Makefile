@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test serve install clean wheel-check
+.PHONY: test test-fast serve install clean wheel-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,14 @@ test: $(STAMP)
 # The wheel, installed (not editable) in a fresh temporary venv: console script, API, every module.
 wheel-check: $(STAMP)
 	bash .ci/wheel-check $(BIN)/python
+
+# Host-only tests (no compiled model step), about half a minute on 2 cores; `make test` stays the full suite.
+TEST_FAST := tests/test_cache_manager.py tests/test_sampler.py tests/test_prefix_identity.py \
+	tests/test_prefix_cache.py tests/test_chat.py tests/test_tokenizer.py tests/test_auth.py \
+	tests/test_recipe.py tests/test_config.py tests/test_full_preset.py tests/test_mxfp4.py \
+	tests/test_safetensors_io.py tests/test_bench_client.py
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(TEST_FAST)
 
 serve: $(STAMP)
 	$(BIN)/k3serve serve

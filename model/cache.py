@@ -1,6 +1,6 @@
 """The decode-time state the model reads and returns, and the per-step batch description.
 
-Layouts (allocated here, owned by the engine's cache manager later):
+Layouts (allocated here; the engine's ``CacheManager`` holds the live arrays as ``device_cache``):
   kda_state [nK, slots, H, dk, dv] float32   recurrent state per KDA layer and slot, S[k, v]
   kda_conv  [nK, slots, W-1, 3P]   float32   last W-1 raw q|k|v projections, oldest first
   mla_kv    [nM, pages, page_size, kv_lora_rank + rope] (model dtype)   latent rows

@@ -74,3 +74,40 @@ def tool_path(name: str) -> str | None:
 
     here = pathlib.Path(sys.executable).parent / name
     return str(here) if here.is_file() else shutil.which(name)
+
+
+def run_to_end(engine, rids, max_steps: int = 2000) -> list:
+    """Step ``engine`` until it has no work left; the final output of each of ``rids``, in order."""
+    done, steps = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.rid] = out
+        steps += 1
+        assert steps < max_steps, f"engine still busy after {max_steps} steps"
+    return [done[r] for r in rids]
+
+
+def assert_all_free(engine) -> None:
+    """No request holds anything, checked before the prefix cache is flushed (so a page or
+    snapshot leaked into the index shows): every page is free or held once by the index and by
+    nothing else, every snapshot slot is registered in the index, every request slot is free.
+    Then a flush returns everything to the pools."""
+    engine.check_invariants()
+    mgr, plan, pc = engine.cache_mgr, engine.capacity_plan, engine.prefix_cache
+    assert not engine.requests and not mgr.live_requests(), (list(engine.requests), mgr.live_requests())
+    refs = pc.page_refs() if pc is not None else {}
+    for p in range(plan.num_pages):
+        assert mgr.pages.refcount(p) == refs.get(p, 0), \
+            f"page {p}: refcount {mgr.pages.refcount(p)}, the prefix index holds {refs.get(p, 0)}"
+    assert mgr.num_free_pages + len(refs) == plan.num_pages
+    assert mgr.num_free_slots == plan.max_concurrent_slots  # scratch and snapshot slots apart
+    if pc is not None:
+        assert pc.held_snapshots() == 0, "snapshots held for requests that are gone"
+        assert mgr.slots.num_snapshots_used == pc.index.num_snapshots
+        assert pc.index.num_pages == len(refs)
+    engine.flush_prefix_cache()
+    engine.check_invariants()
+    assert mgr.num_free_pages == plan.num_pages
+    assert mgr.slots.num_free_snapshots == plan.snapshot_slots
+    assert engine.stats()["free_slots"] == plan.max_concurrent_slots

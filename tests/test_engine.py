@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _util import golden, load_case
+from _util import assert_all_free, golden, load_case, run_to_end
 from k3serve.server.engine.engine import Engine
 from k3serve.server.engine.sampling_params import SamplingParams
 
@@ -21,24 +21,7 @@ def _prompts():
 
 
 def _run(engine, prompts, params):
-    rids = [engine.add_request(p, params) for p in prompts]
-    done, steps = {}, 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.rid] = out
-        steps += 1
-        assert steps < 2000
-    return [done[r] for r in rids]
-
-
-def _assert_all_free(engine):
-    engine.check_invariants()
-    engine.flush_prefix_cache()
-    engine.check_invariants()
-    s = engine.stats()
-    assert s["free_pages"] == engine.capacity_plan.num_pages
-    assert s["free_slots"] == engine.capacity_plan.max_concurrent_slots  # scratch and snapshot slots apart
+    return run_to_end(engine, [engine.add_request(p, params) for p in prompts])
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +43,7 @@ def test_batched_greedy_equals_golden_and_model(engine_a):
     assert eng.stats()["num_split_steps"] > 0  # mixed steps ran as a prefill call + a decode call
     # mixed traffic after warm-up compiled nothing new
     assert eng.stats()["num_compiles"] == compiles
-    _assert_all_free(eng)
+    assert_all_free(eng)
 
 
 def test_preemption_with_tiny_page_budget():
@@ -74,7 +57,7 @@ def test_preemption_with_tiny_page_budget():
     assert [o.token_ids for o in outs] == expect
     assert eng.stats()["num_preemptions"] > 0
     assert eng.scheduler.running == [] and eng.scheduler.waiting == []
-    _assert_all_free(eng)
+    assert_all_free(eng)
     assert eng.runner.page_buckets == [4, 8]
     assert len(eng.runner.shape_buckets()) == 8
     assert eng.stats()["num_compiles"] == len(eng.runner.shapes_used) <= 8
@@ -88,25 +71,43 @@ def test_stops_abort_and_bad_input(engine_a):
     stop = expect[0][2]
     out = _run(eng, [base[0]], SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=[stop]))[0]
     assert out.token_ids == expect[0][:3] and out.finish_reason == "stop" and out.matched_stop == stop
-    # abort a running request: it reports once, and its pages and slot come back
+    # abort one request mid-prefill and one mid-decode: each reports once, and its pages and
+    # slot come back (the cache is flushed first, so no prefix hit changes the phases)
+    eng.flush_prefix_cache()
     rid = eng.add_request(base[1], SamplingParams(max_new_tokens=50, temperature=0))
     other = eng.add_request(base[2], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
-    eng.step()
-    eng.step()
-    assert eng.abort(rid)
     finals = {}
-    while eng.has_unfinished() or rid not in finals:
+
+    def step():
         for o in eng.step():
             if o.finished:
+                assert o.rid not in finals, f"{o.rid} reported twice"
                 finals[o.rid] = o
-    assert finals[rid].finish_reason == "abort"
+
+    step()
+    req = eng.requests[rid]
+    assert 0 < req.num_computed < len(req.prompt) and req.num_generated == 0  # mid-prefill
+    assert eng.abort(rid)
+    dec = eng.add_request(base[0], SamplingParams(max_new_tokens=50, temperature=0))
+    while len(eng.requests[dec].output) < 2:
+        step()
+    req = eng.requests[dec]
+    assert req.num_computed > len(req.prompt) and not req.finished  # mid-decode
+    assert eng.abort(dec)
+    for _ in range(100):
+        if not eng.has_unfinished() and rid in finals and dec in finals:
+            break
+        step()
+    assert finals[rid].finish_reason == "abort" and finals[rid].token_ids == []
+    assert finals[dec].finish_reason == "abort" and finals[dec].token_ids == expect[0][:len(finals[dec].token_ids)]
+    assert len(finals[dec].token_ids) >= 2
     assert finals[other].token_ids == expect[2]
-    _assert_all_free(eng)
+    assert_all_free(eng)
     with pytest.raises(ValueError, match="99999"):
         eng.add_request([1, 99999])
     with pytest.raises(ValueError, match="max_model_len"):
         eng.add_request([1] * 200)
-    _assert_all_free(eng)
+    assert_all_free(eng)
 
 
 def test_seeded_sampling_is_independent_of_batch_company(engine_a):
@@ -116,16 +117,11 @@ def test_seeded_sampling_is_independent_of_batch_company(engine_a):
     alone = _run(eng, [base[0]], p)[0]
     noisy = SamplingParams(max_new_tokens=6, temperature=1.3, seed=7, ignore_eos=True)
     rids = [eng.add_request(base[1], noisy), eng.add_request(base[0], p), eng.add_request(base[2], noisy)]
-    done = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                done[o.rid] = o
-    assert done[rids[1]].token_ids == alone.token_ids
+    assert run_to_end(eng, rids)[1].token_ids == alone.token_ids
     assert len(alone.logprobs) == 8 and all(len(top) == 3 for _, top in alone.logprobs)
     lp0, top0 = alone.logprobs[0]
     assert lp0 <= 0 and top0[0][1] >= top0[-1][1]
-    _assert_all_free(eng)
+    assert_all_free(eng)
 
 
 def test_async_scheduling_overlaps_and_matches_sync(engine_a):
@@ -162,13 +158,7 @@ def test_async_scheduling_overlaps_and_matches_sync(engine_a):
             eng.async_scheduling = mode
             eng.flush_prefix_cache()  # both modes compute the same prompts from scratch
             events.clear()
-            rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-            done = {}
-            while eng.has_unfinished():
-                for o in eng.step():
-                    if o.finished:
-                        done[o.rid] = o
-            results[mode] = [done[r] for r in rids]
+            results[mode] = run_to_end(eng, [eng.add_request(p, sp) for p, sp in zip(prompts, params)])
             launches = [s for e, s in events if e == "launch"]
             first_results = [events.index(("result", s)) for s in launches[:-1]]
             if mode:  # every step but the last was launched before the previous one was read
@@ -187,4 +177,4 @@ def test_async_scheduling_overlaps_and_matches_sync(engine_a):
     # the penalties did act: the penalized stream differs from the plain seeded one
     plain = _run(eng, [base[0]], SamplingParams(max_new_tokens=10, temperature=0.8, seed=99, ignore_eos=True))[0]
     assert plain.token_ids != asyn[0].token_ids
-    _assert_all_free(eng)
+    assert_all_free(eng)

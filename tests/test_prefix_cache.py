@@ -8,13 +8,23 @@ checked: its slot holds the state of exactly ``tokens[:start]`` and its pages ho
 ``tokens[:start]`` — so a wrong hit, a missing copy-on-write, a snapshot copied before it
 was registered, or a page shared with a writer would all fail. After every step the pool
 invariants hold (refcounts = requests' + the index's holds, snapshot slots accounted for,
-the byte budget kept), and everything is free at the end."""
+the byte budget kept), and everything is free at the end.
+
+Modes: synchronous (a row's token is on the host right after its step); **async** (one step
+in flight, as ``Engine._step`` with async scheduling: the token arrives one step later, so
+``Request.pending`` is set at plan time, decode rows read their input from the previous step
+and stops/aborts land with a row on the device); **host tier** (``host_bytes > 0``: device
+evictions are offloaded and deeper host hits reloaded, through a shadow ``read_prefix`` /
+``write_prefix``)."""
 from __future__ import annotations
 
 import random
+import types
 
+import numpy as np
 import pytest
 
+from k3serve.intmath import pad_pow2
 from k3serve.server.engine.cache import CacheManager, plan_capacity
 from k3serve.server.engine.cache.prefix_keys import tenant_salt
 from k3serve.server.engine.cache.prefix_cache import PrefixCache
@@ -23,13 +33,39 @@ from k3serve.server.engine.sampling_params import SamplingParams
 from k3serve.server.engine.scheduler import Scheduler
 
 
-class ShadowManager(CacheManager):
-    """A bookkeeping-only manager whose copies move shadow contents instead of device rows."""
+class _FakeDeviceArray:
+    """What ``read_prefix`` returns on a device: an array that becomes ready a little later."""
 
-    def __init__(self, *a, **k):
+    def __init__(self, a: np.ndarray, ready_after: int):
+        self.a, self.shape, self.size, self.dtype = a, a.shape, a.size, a.dtype
+        self._checks = ready_after
+
+    def is_ready(self) -> bool:
+        self._checks -= 1
+        return self._checks < 0
+
+    def __array__(self, dtype=None, copy=None):
+        return self.a
+
+
+class ShadowManager(CacheManager):
+    """A bookkeeping-only manager whose copies move shadow contents instead of device rows.
+
+    ``host=True``: the host tier's device reads and writes (``read_prefix`` / ``write_prefix``)
+    move shadow contents too — an offload records what the evicted slot and pages hold at
+    that point of the program order, a reload writes it into the request's pages and slot."""
+
+    def __init__(self, *a, host: bool = False, **k):
         super().__init__(*a, allocate=False, **k)
         self.slot_state: dict[int, tuple] = {}  # slot -> token prefix its state is of
         self.page_rows: dict[int, list] = {}  # page -> token id per row (None = never written)
+        if host:
+            # not None, so the prefix cache offloads evictions; the shape the invariants check
+            plan = self.capacity_plan
+            self.device_cache = types.SimpleNamespace(num_slots=plan.num_slots, num_pages=plan.num_pages,
+                                                      page_size=plan.page_size)
+        self.num_reads = 0
+        self.reloaded: dict = {}  # rid -> tokens reloaded from the host tier
 
     def flush_copies(self) -> int:
         pc, sc = list(self._page_copies), list(self._slot_copies)
@@ -37,7 +73,36 @@ class ShadowManager(CacheManager):
         slots = {d: self.slot_state.get(s) for s, d in sc}
         self.page_rows.update(pages)
         self.slot_state.update(slots)
-        return super().flush_copies()
+        dc, self.device_cache = self.device_cache, None  # the bookkeeping, no device program
+        try:
+            return super().flush_copies()
+        finally:
+            self.device_cache = dc
+
+    def read_prefix(self, slot: int, pages: list[int]):
+        ps = self.page_size
+        padded = pad_pow2(pages)  # as on the device: the page count padded with repeats
+        rows = np.empty((1, len(padded), ps, 1), object)
+        for i, p in enumerate(padded):
+            rows[0, i, :, 0] = self.page_rows.get(p, [None] * ps)
+        state, conv = np.empty(1, object), np.empty(1, object)
+        state[0] = conv[0] = self.slot_state.get(slot)
+        self.num_reads += 1
+        lag = self.num_reads % 3  # some entries are still "on the device" at the next drains
+        return tuple(_FakeDeviceArray(a, lag) for a in (state, conv, rows))
+
+    def write_prefix(self, rid, rows, state, conv) -> None:
+        ps, n = self.page_size, rows.shape[1]
+        pages = self.pages_of(rid)
+        assert len(pages) * ps >= n, f"{rid} holds {len(pages)} pages, too few for {n} rows"
+        self.flush_copies()  # as the real one: queued copies land first
+        for p in pages[: -(-n // ps)]:
+            self.page_rows[p] = [None] * ps  # the load writes whole pages (zeros past the prefix)
+        for t in range(n):
+            self.page_rows[pages[t // ps]][t % ps] = rows[0, t, 0]
+        assert state[0] == conv[0]
+        self.slot_state[self.slot_of(rid)] = state[0]
+        self.reloaded[rid] = n
 
 
 def _cfg():
@@ -58,21 +123,75 @@ def test_prefix_cache_randomized_against_shadow(seed, interval, budget_pages, dp
     """(dp, dcp) = (2, 2): two attention-DP groups with two DCP ranks each; a hit must join
     the group and DCP rank order of the pages it maps (checked by the manager's invariants:
     page k of every request in block group * dcp + (k + rank0) % dcp)."""
+    _fuzz(seed, interval, budget_pages, dp, dcp)
+
+
+@pytest.mark.parametrize("seed,interval,budget_pages,dp,dcp,num_pages", [(10, 0, None, 1, 1, 40), (11, 4, 6, 1, 1, 40),
+                                                                         (12, 0, None, 2, 2, 40), (13, 4, None, 1, 1, 16)])
+def test_prefix_cache_randomized_async(seed, interval, budget_pages, dp, dcp, num_pages):
+    """One step in flight, as ``Engine._step`` with async scheduling: a row's sampled token
+    reaches the host one ``step()`` later, so decode rows read their input from the previous
+    step, registrations wait for the token, and stops and aborts land with a row in flight.
+    16 pages: requests are preempted, some with a token on the device."""
+    st = _fuzz(seed, interval, budget_pages, dp, dcp, async_=True, num_pages=num_pages)
+    assert st["late"] > 20, st  # requests finished with a token still on the device
+    if num_pages < 40:
+        assert st["preempted_pending"] > 10, st
+
+
+@pytest.mark.parametrize("seed,async_", [(20, False), (21, True)])
+def test_prefix_cache_randomized_host_tier(seed, async_):
+    """A small device budget and a host tier: evicted prefixes are offloaded (what the slot and
+    pages hold at eviction) and deeper host hits reload them into the request's pages and slot;
+    the row checks then prove a reload restores exactly the prefix's rows and state."""
+    st = _fuzz(seed, 4, 6, 1, 1, async_=async_, host_bytes=8 * 400)
+    assert st["prefix_host_offloads"] > 20 and st["prefix_host_reloads"] > 5, st
+    assert st["host_rows"] > 5, st  # rows that started from a reloaded prefix were checked
+
+
+def _fuzz(seed, interval, budget_pages, dp, dcp, *, async_=False, host_bytes=0, num_pages=40,
+          steps=1500) -> dict:
     rng = random.Random(seed)
     cfg = _cfg()
     ps, unit = 8, 4
-    cplan = plan_capacity(cfg, page_size=ps, dtype="float32", max_num_seqs=4, num_pages=40, snapshot_slots=16,
+    cplan = plan_capacity(cfg, page_size=ps, dtype="float32", max_num_seqs=4, num_pages=num_pages, snapshot_slots=16,
                           dp=dp, dcp=dcp)
-    mgr = ShadowManager(cfg, cplan, "float32")
+    mgr = ShadowManager(cfg, cplan, "float32", host=host_bytes > 0)
     max_bytes = None if budget_pages is None else budget_pages * cplan.bytes_per_page + 3 * cplan.bytes_per_slot
-    pc = PrefixCache(mgr, unit=unit, interval=interval, max_bytes=max_bytes)
+    pc = PrefixCache(mgr, unit=unit, interval=interval, max_bytes=max_bytes, host_bytes=host_bytes)
     sched = Scheduler(mgr, max_num_seqs=4, max_num_batched_tokens=24, chunk_size=12, max_model_len=80, prefix_cache=pc)
     bases = [[rng.randrange(256) for _ in range(40)] for _ in range(3)]
     convs: list[list[int]] = []  # finished conversations, extended by later turns
     tenants = [b"", tenant_salt("a"), tenant_salt("b")]
     live: list[Request] = []
-    n_checked = n_hit_rows = 0
-    for step in range(1500):
+    on_device: dict[str, list[int]] = {}  # rid -> sampled tokens the host has not seen yet
+    inflight = None  # (step, rows) launched and not yet processed (async)
+    n_checked = n_hit_rows = n_late = n_host_rows = n_preempted_pending = 0
+
+    def finish(req):  # Engine._finish
+        sched.remove(req)
+        req.status = Status.FINISHED
+
+    def process(done):  # Engine._process: the step's sampled tokens reach the host
+        nonlocal n_late
+        _, rows = done
+        for row in rows:
+            req = row.req
+            if not row.samples:
+                continue
+            req.pending -= 1
+            tok = on_device[req.rid].pop(0)
+            if req.finished:  # stopped late or aborted while the step ran: the token is dropped
+                n_late += 1
+                continue
+            req.output.append(tok)
+            if len(req.output) >= req.params.max_new_tokens or rng.random() < 0.05:
+                finish(req)
+                convs.append(req.prompt + req.output)
+            else:
+                pc.register_ready(req)
+
+    for step in range(steps):
         # new arrivals: a fresh prompt on a shared base, the next turn of a finished one, or a resend
         for _ in range(rng.choice([0, 0, 1, 2])):
             kind = rng.random()
@@ -85,52 +204,58 @@ def test_prefix_cache_randomized_against_shadow(seed, interval, budget_pages, dp
             prompt = prompt[-60:]
             req = Request(prompt=prompt, params=SamplingParams(max_new_tokens=rng.randint(1, 10), temperature=0),
                           salt=rng.choice(tenants))
+            on_device[req.rid] = []
             sched.add(req)
             live.append(req)
         plan = sched.schedule()
+        n_preempted_pending += sum(r.pending > 0 for r in plan.preempted)
         # the device: first the queued copies, then each row reads its slot/pages and writes
         mgr.flush_copies()
-        for row in plan.rows:
-            req, start, n = row.req, row.start, row.num_tokens
-            toks = req.prompt + req.output + [None] * req.pending
-            slot = mgr.slot_of(req.rid)
-            if start > 0:
-                assert mgr.slot_state.get(slot) == tuple(toks[:start]), f"step {step}: {req.rid} state is not of its prefix"
-            pages = mgr.pages_of(req.rid)
-            for pos in range(start):
-                got = mgr.page_rows[pages[pos // ps]][pos % ps]
-                assert got == toks[pos], f"step {step}: {req.rid} row {pos} holds {got}, not {toks[pos]}"
-            claimed = {(e[1], e[2] * unit % ps // unit) for e in pc.index._entries.values()}  # (page, unit in page)
-            others = {p for r in live if r is not req and r.rid in mgr for p in mgr.pages_of(r.rid)}
-            for pos in range(start, start + n):
-                page = pages[pos // ps]
-                assert page not in others, f"{req.rid} writes page {page}, which another request maps"
-                assert (page, pos % ps // unit) not in claimed, f"step {step}: {req.rid} writes row {pos} (start {start}, n {n}, pages {pages}, prompt {len(req.prompt)}, cached {req.cached_tokens}) the prefix cache holds"
-                mgr.page_rows.setdefault(pages[pos // ps], [None] * ps)[pos % ps] = toks[pos]
-            mgr.slot_state[slot] = tuple(toks[: start + n])
-            req.num_computed += n  # what the engine does at launch
-            n_checked += 1
-            n_hit_rows += start > 0 and req.cached_tokens and start == req.cached_tokens
-        pc.after_launch(plan.rows)
-        # the host: sampled tokens arrive, stops, aborts
-        for row in plan.rows:
-            if row.samples:
-                row.req.output.append(rng.randrange(256))
-        for row in plan.rows:
-            req = row.req
-            if req.finished:
-                continue
-            if row.samples and (len(req.output) >= req.params.max_new_tokens or rng.random() < 0.05):
-                sched.remove(req)
-                req.status = Status.FINISHED
-                convs.append(req.prompt + req.output)
-            else:
-                pc.register_ready(req)
-        if live and rng.random() < 0.03:  # abort someone
+        launched = None
+        if plan.rows:
+            for row in plan.rows:
+                req, start, n = row.req, row.start, row.num_tokens
+                if start + n > req.num_known:  # the runner's rule: only a decode row's input may be pending
+                    assert (n == 1 and start == req.num_known and inflight is not None
+                            and req.sample_row[0] == inflight[0]), f"step {step}: {req.rid} input not available"
+                toks = req.prompt + req.output + on_device[req.rid]
+                assert len(toks) == req.num_tokens
+                slot = mgr.slot_of(req.rid)
+                if start > 0:
+                    assert mgr.slot_state.get(slot) == tuple(toks[:start]), f"step {step}: {req.rid} state is not of its prefix"
+                pages = mgr.pages_of(req.rid)
+                for pos in range(start):
+                    got = mgr.page_rows[pages[pos // ps]][pos % ps]
+                    assert got == toks[pos], f"step {step}: {req.rid} row {pos} holds {got}, not {toks[pos]}"
+                claimed = {(e[1], e[2] * unit % ps // unit) for e in pc.index._entries.values()}  # (page, unit in page)
+                others = {p for r in live if r is not req and r.rid in mgr for p in mgr.pages_of(r.rid)}
+                for pos in range(start, start + n):
+                    page = pages[pos // ps]
+                    assert page not in others, f"{req.rid} writes page {page}, which another request maps"
+                    assert (page, pos % ps // unit) not in claimed, f"step {step}: {req.rid} writes row {pos} (start {start}, n {n}, pages {pages}, prompt {len(req.prompt)}, cached {req.cached_tokens}) the prefix cache holds"
+                    mgr.page_rows.setdefault(pages[pos // ps], [None] * ps)[pos % ps] = toks[pos]
+                mgr.slot_state[slot] = tuple(toks[: start + n])
+                n_checked += 1
+                n_hit_rows += start > 0 and req.cached_tokens and start == req.cached_tokens
+                n_host_rows += start > 0 and start == mgr.reloaded.get(req.rid)
+            pc.after_launch(plan.rows)
+            for i, row in enumerate(plan.rows):  # what the engine does after the launch
+                req = row.req
+                req.num_computed += row.num_tokens
+                if row.samples:
+                    on_device[req.rid].append(rng.randrange(256))  # sampled on the device
+                    req.pending += 1
+                    req.sample_row = (step, i)
+            launched = (step, plan.rows)
+        done, inflight = (inflight, launched) if async_ else (launched, None)
+        if done is not None:
+            process(done)
+        if pc.host is not None:
+            pc.host.drain()
+        if live and rng.random() < 0.03:  # abort someone (Engine.abort)
             req = rng.choice(live)
             if not req.finished:
-                sched.remove(req)
-                req.status = Status.FINISHED
+                finish(req)
         live = [r for r in live if not r.finished]
         pc.check_invariants()
         if max_bytes is not None:
@@ -145,3 +270,4 @@ def test_prefix_cache_randomized_against_shadow(seed, interval, budget_pages, dp
     assert st["prefix_cow_pages"] > 0 and n_checked > 1000, (st, n_checked)
     if budget_pages is not None:
         assert st["snapshots_evicted"] > 0
+    return {**st, "late": n_late, "host_rows": n_host_rows, "preempted_pending": n_preempted_pending}

@@ -13,7 +13,7 @@ import random
 import numpy as np
 import pytest
 
-from _util import tiny_text_checkpoint
+from _util import assert_all_free, run_to_end, tiny_text_checkpoint
 from k3serve.server.engine.engine import Engine
 from k3serve.server.engine.sampling_params import SamplingParams
 
@@ -35,15 +35,7 @@ def engines(tmp_path_factory):
 
 def _run(eng, reqs):
     """reqs: [(prompt, kwargs)] added together; returns the finished outputs in order."""
-    rids = [eng.add_request(p, GREEDY, **kw) for p, kw in reqs]
-    done, steps = {}, 0
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                done[out.rid] = out
-        steps += 1
-        assert steps < 500
-    return [done[r] for r in rids]
+    return run_to_end(eng, [eng.add_request(p, GREEDY, **kw) for p, kw in reqs], max_steps=500)
 
 
 def _same(engines, reqs):
@@ -55,7 +47,9 @@ def _same(engines, reqs):
         assert g.token_ids == w.token_ids
         a = np.array([[lp] + [x for _, x in top] for lp, top in g.logprobs])
         b = np.array([[lp] + [x for _, x in top] for lp, top in w.logprobs])
-        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), np.abs(a - b).max()
+        # fp32: a hit resumes from a snapshot, so the two engines chunk the prompt at different
+        # places and sum in a different order (measured up to 1.05e-5 of max|logprob|)
+        assert np.abs(a - b).max() <= 3e-5 * np.abs(b).max(), np.abs(a - b).max()
     on.check_invariants()
     return got
 
@@ -157,6 +151,5 @@ def test_eviction_under_pressure_and_preemption(engines):
     _same(engines, [(_toks(rng, 128 + 3 * i), {}) for i in range(4)])  # 2 rows x 17-18 pages > 32
     st = on.stats()
     assert st["snapshots_evicted"] > ev and st["num_preemptions"] > pre, st
-    on.flush_prefix_cache()
-    on.check_invariants()
-    assert on.stats()["free_pages"] == on.capacity_plan.num_pages
+    assert_all_free(on)
+    assert_all_free(off)

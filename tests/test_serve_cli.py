@@ -16,6 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from _util import free_port, tiny_text_checkpoint
+from k3serve.model import load_pretrained
+from k3serve.server.text.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,7 @@ def _wait_serving(port, proc, timeout=600):
     raise TimeoutError("server never became SERVING")
 
 
+@pytest.mark.slow  # `k3serve serve` in a subprocess: load, warm-up compile, drain
 def test_serve_generate_metrics_and_sigterm(text_ckpt, tmp_path):
     port, mport = free_port(), free_port()
     env = dict(os.environ, K3SERVE_CACHE=str(tmp_path / "cache"))
@@ -61,13 +64,18 @@ def test_serve_generate_metrics_and_sigterm(text_ckpt, tmp_path):
         r = _cli("generate", "--server", f"127.0.0.1:{port}", "--ids", "5,6,7,8", "--max-new-tokens", "6",
                  "--ignore-eos")
         assert r.returncode == 0, r.stderr
-        ids = [int(t) for t in r.stdout.split()]
-        assert len(ids) == 6 and all(0 <= t < 4096 for t in ids)
+        model, tok = load_pretrained(text_ckpt, dtype="float32"), load_tokenizer(text_ckpt)
+        # the served greedy tokens are the model's own greedy continuation
+        assert [int(t) for t in r.stdout.split()] == model.greedy([5, 6, 7, 8], 6)
         assert "length; 4 prompt + 6 generated" in r.stderr
         # text in, text out through the server's own tokenizer bundle; a chat turn too
         r = _cli("generate", "--server", f"127.0.0.1:{port}", "def main():", "--max-new-tokens", "8",
                  "--ignore-eos")
         assert r.returncode == 0 and "8 generated" in r.stderr, r.stderr
+        ids = tok.encode("def main():")
+        assert f"{len(ids)} prompt + 8 generated" in r.stderr
+        want = tok.decode(model.greedy(ids, 8), skip_special_tokens=True)
+        assert r.stdout.strip() == want.strip(), (r.stdout, want)
         r = _cli("generate", "--server", f"127.0.0.1:{port}", "hello", "--chat", "--max-new-tokens", "4",
                  "--ignore-eos")
         assert r.returncode == 0 and "4 generated" in r.stderr, r.stderr

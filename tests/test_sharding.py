@@ -22,6 +22,8 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LENGTHS = [3, 29, 16, 45, 7, 1, 12, 33]
+pytestmark = pytest.mark.slow  # one 32-virtual-device subprocess that compiles every preset
+
 SPEC = {
     "recipes": {"v7-32-decode": "v7-32-decode", "v7-32-decode-dp2": "v7-32-decode-dp2",
                 "v7-32-prefill": "v7-32-prefill", "v7-16-decode": "v7-16-decode"},

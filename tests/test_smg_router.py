@@ -15,7 +15,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from _util import free_port, tiny_text_checkpoint, tool_path
 
 SMG = tool_path("smg")
-pytestmark = pytest.mark.skipif(SMG is None, reason="smg (dev extra) is not installed")
+pytestmark = [pytest.mark.skipif(SMG is None, reason="smg (dev extra) is not installed"),
+              pytest.mark.slow]  # a k3serve server and the smg router, each its own process
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,10 @@ Wire format: ``sglang.grpc.scheduler.SglangScheduler`` from the pinned PyPI
 ``smg-grpc-proto`` stubs. Implemented: ``Generate`` (server streaming; ``stream=false`` sends
 only the final ``GenerateComplete``), ``Abort``, ``HealthCheck``, ``GetModelInfo``,
 ``GetServerInfo``, ``GetLoads``, ``GetTokenizer`` (zip bundle of the checkpoint's tokenizer
-files + config.json, sha256 on the last chunk). Everything else answers UNIMPLEMENTED with
-a message.
+files + config.json, sha256 on the last chunk), ``FlushCache`` (drops the prefix cache) and
+``SubscribeKvEvents`` (the prefix cache's stored/removed blocks; FAILED_PRECONDITION when
+prefix caching is off). ``Embed``, ``StartProfile``, ``StopProfile`` and the three LoRA RPCs
+answer UNIMPLEMENTED with a message.
 
 Proto3 cannot tell "absent" from zero, so zero means "default" where zero is not a
 meaningful value: ``top_p`` 0 → 1.0, ``top_k`` 0 → off, ``repetition_penalty`` 0 → 1.0,

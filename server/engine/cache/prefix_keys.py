@@ -1,5 +1,7 @@
 """Prefix identity for prefix caching: chained hashes over prefix-match units, salted per
-tenant.
+tenant (``tenant_salt``, ``chain_hashes``, ``PrefixChain``, ``longest_match``). Which keys the
+device holds pages and snapshots for is ``prefix_index.PrefixIndex``; the policy on top is
+``prefix_cache.PrefixCache``.
 
 Why chained: the key of unit i must name the *whole* prefix up to and including unit i, not
 just unit i's tokens; ``h_i = H(h_{i-1} || tokens of unit i)`` gives that in O(unit) per unit,

@@ -1,24 +1,27 @@
-"""Pool of KDA recurrent-state slots, with slot 0 kept back as the scratch slot.
-
-Why a scratch slot: a padded batch still scatters every row's state back to ``slot_ids``;
-rows carrying no tokens leave their slot's value unchanged, but a scatter with duplicate
-indices has no defined order, so a padding row must never name a slot a live request owns.
-Slot ``SCRATCH`` (0) is never handed out and is what padding rows use. Slots need no reset
-between requests: a row with ``start_pos == 0`` starts from a zero state whatever its slot held.
+"""Pool of KDA recurrent-state slots: one scratch slot per DP group, request slots, and
+prefix-snapshot slots.
 
 Layout this pool indexes (``k3serve.model.cache``), both float32 whatever the model dtype:
   kda_state [nK, num_slots, H, dk, dv]     recurrent state S[k, v] per KDA layer
   kda_conv  [nK, num_slots, W-1, 3*H*dk]   short-conv window, oldest first
-A slot id is the same index in every KDA layer. Capacity is ``num_slots - 1`` requests.
+A slot id is the same index in every KDA layer.
 
-Attention DP: with ``groups > 1`` the ids are cut into equal ranges, one per DP group (the
-slot dim of the pool is split over the mesh's ``"dp"`` axis); each range's first slot is that
-group's scratch slot and ``alloc(group)`` hands out slots of that group only.
+The ids are cut into ``groups`` equal ranges, one per attention-DP group (the slot dim is
+split over the mesh's ``"dp"`` axis; one range without DP). Each range is, in order:
 
-Prefix snapshots (issue #6): the last ``snapshots`` slots of each group's range are snapshot
-slots — same arrays, so a registration or a hit is one on-device copy between two slot
-indices. They have their own free list (``alloc_snapshot`` / ``free_snapshot``), so the prefix
-cache can never take a slot a request needs, nor the reverse.
+* its **scratch** slot (the first; ``SCRATCH`` = 0 for group 0), never handed out. A padded
+  batch still scatters every row's state back to ``slot_ids``; rows carrying no tokens leave
+  their slot unchanged, but a scatter with duplicate indices has no defined order, so padding
+  rows point at their group's scratch slot, which no request owns;
+* **request** slots, handed out by ``alloc(group)`` / ``free``;
+* the last ``snapshots / groups`` slots: **snapshot** slots for the prefix cache, with their
+  own free list (``alloc_snapshot`` / ``free_snapshot``), so the prefix cache can never take a
+  slot a request needs, nor the reverse. Same arrays, so a registration or a hit is one
+  on-device copy between two slot indices.
+
+``capacity`` (concurrent requests) is therefore ``num_slots - groups * (1 + snapshots per
+group)``. Slots need no reset between requests: a row with ``start_pos == 0`` starts from a
+zero state whatever its slot held.
 """
 from __future__ import annotations
 
