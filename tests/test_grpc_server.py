@@ -541,9 +541,6 @@ def test_failing_step_is_internal_not_serving_and_never_hangs(spare_engine):
     """A step that raises: every caller gets INTERNAL with the message, health goes
     NOT_SERVING, the engine refuses further steps, and serve's main loop returns 1 at once
     with the engine thread gone. Before that: ``stop()`` gives an open handle a final output."""
-    from k3serve.server.api.serve import run_until_stopped
-    from k3serve.server.engine.request import EngineError
-
     base, expect = _prompts()
     eng = spare_engine  # broken by this test: it runs after the others that use it
     s = Served(eng)
@@ -595,6 +592,9 @@ def test_failing_step_is_internal_not_serving_and_never_hangs(spare_engine):
         with pytest.raises(grpc.RpcError) as e:
             _collect(s.stub, _req(base[1]))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        from k3serve.server.api.serve import run_until_stopped
+        from k3serve.server.engine.request import EngineError
+
         assert eng.broken is not None
         with pytest.raises(EngineError, match="broken"):
             eng.step()  # a half-updated engine is never stepped again
