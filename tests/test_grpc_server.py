@@ -554,6 +554,7 @@ def test_failing_step_is_internal_not_serving_and_never_hangs(spare_engine):
         th.start()
         th.join(10)
         assert not th.is_alive() and rest and rest[-1].finished  # no consumer left waiting
+        assert rest[-1].finish_reason == "abort"  # stopped, not run to its end
     finally:
         s.channel.close()
         s.server.server.stop(0).wait(10)
