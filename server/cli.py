@@ -156,6 +156,10 @@ def cmd_bench(args) -> int:
         from .bench import prefix as bench_prefix
 
         return bench_prefix.main(rest[1:])
+    if rest and rest[0] == "loop":
+        from .bench import loop_latency
+
+        return loop_latency.main(rest[1:])
     from .client.replay import bench_main
 
     return bench_main(rest)
@@ -310,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
 BENCH_USAGE = """usage: k3serve bench --server HOST:PORT --trace T.jsonl [--concurrency N] [--block-size 512] ...
        k3serve bench offline [--model DIR|demo] [--concurrency 1,8,32] [--modes async,sync] ...
        k3serve bench prefix [--model DIR|demo] [--sessions 8] [--max-num-seqs 4] ...
+       k3serve bench loop [--model DIR] [--streams 8] [--probes 20]   (submit/abort latency in steps)
 (each accepts --help for its flags)"""
 
 

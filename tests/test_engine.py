@@ -56,6 +56,8 @@ def test_preemption_with_tiny_page_budget():
     outs = _run(eng, base, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == expect
     assert eng.stats()["num_preemptions"] > 0
+    # a re-admission after preemption is not a new prefix-cache query
+    assert eng.stats()["prefix_query_tokens"] == sum(map(len, base))
     assert eng.scheduler.running == [] and eng.scheduler.waiting == []
     assert_all_free(eng)
     assert eng.runner.page_buckets == [4, 8]
@@ -178,3 +180,44 @@ def test_async_scheduling_overlaps_and_matches_sync(engine_a):
     plain = _run(eng, [base[0]], SamplingParams(max_new_tokens=10, temperature=0.8, seed=99, ignore_eos=True))[0]
     assert plain.token_ids != asyn[0].token_ids
     assert_all_free(eng)
+
+
+def test_refused_inputs_and_request_ids(engine_a):
+    """Float ids, logprobs above the engine's max_logprobs and duplicate live ids are refused
+    (a ``RequestError``, nothing changes); generated ids never collide with a caller's."""
+    from k3serve.server.engine import request as request_mod
+    from k3serve.server.engine.request import RequestError
+
+    eng = engine_a
+    base, _ = _prompts()
+    for bad in ([1.5, 2], [1.0, 2.0], np.array([1.0, 2.0]), [True, 3], "abc", [[1, 2]]):
+        with pytest.raises(RequestError, match="integer token ids"):
+            eng.add_request(bad)
+    few = Engine(load_case(CASE), max_num_seqs=4, max_num_batched_tokens=40, chunk_size=16, page_size=16,
+                 max_model_len=128, num_pages=48, max_logprobs=2, warmup=False)
+    with pytest.raises(RequestError, match="max_logprobs"):
+        few.add_request(base[0], SamplingParams(logprobs=3))
+    assert few.requests == {}
+    rids = [eng.add_request(np.array(base[0][:5], dtype=np.int32), SamplingParams(max_new_tokens=2))]
+    # a caller names its request as the engine would name the next one: no collision
+    n = next(request_mod._ids)
+    rids.append(eng.add_request(base[1], SamplingParams(max_new_tokens=2), rid=f"req-{n + 2}"))
+    rids.append(eng.add_request(base[2], SamplingParams(max_new_tokens=2)))
+    assert len(set(rids)) == 3 and set(rids) <= eng.requests.keys()
+    with pytest.raises(RequestError, match="already in use"):
+        eng.add_request(base[0], rid=rids[1])
+    for r in rids:
+        assert eng.abort(r)
+    while eng.has_unfinished() or eng.requests:
+        eng.step()
+    assert_all_free(eng)
+
+
+def test_recipe_leaves_the_callers_model_alone():
+    import jax
+
+    m = load_case(CASE)
+    params = m.params
+    eng = Engine(m, max_num_seqs=2, max_num_batched_tokens=40, chunk_size=16, page_size=16, max_model_len=64,
+                 recipe="single", devices=jax.devices()[:1], warmup=False)
+    assert m.params is params and eng.model is not m

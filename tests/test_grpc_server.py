@@ -17,6 +17,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from _util import DATA, golden, load_case
 from k3serve.server.engine.engine import Engine
+from k3serve.server.engine.sampling_params import SamplingParams
 from k3serve.server.api.engine_thread import EngineThread
 from k3serve.server.api.grpc_service import GrpcServer, Servicer
 from k3serve.server.api.metrics import Metrics
@@ -84,8 +85,7 @@ def _all_free(loop, timeout=10.0):
         time.sleep(0.02)
     st = loop.stats()
     eng = loop.engine
-    with loop._lock:
-        eng.check_invariants()  # the prefix cache's pages and snapshots included
+    loop.call(lambda e: e.check_invariants())  # on the engine thread; the prefix cache included
     assert st["free_pages"] + st["prefix_pages_held"] == eng.capacity_plan.num_pages, st
     assert st["free_slots"] == eng.capacity_plan.max_concurrent_slots, st
 
@@ -179,20 +179,25 @@ def test_bad_inputs_are_refused_and_change_nothing(served):
                             sampling_params=SP(max_new_tokens=4)), "INVALID_ARGUMENT"),
         (_req([300] * 600_000), "RESOURCE_EXHAUSTED"),  # 1.2 MB: over the 1 MiB message limit
     ]
+    seen = []  # (case, status) of every refusal actually observed
     for i, (req, code) in enumerate(cases):
         with pytest.raises(grpc.RpcError) as e:
             _collect(served.stub, req)
             pytest.fail(f"case {i} was accepted")
         assert e.value.code() == getattr(grpc.StatusCode, code), (i, e.value.details())
         assert e.value.details()
+        seen.append((i, e.value.code()))
     # a duplicate request id while the first is in flight
     first = served.stub.Generate(_req(base[0], rid="dup", max_new=80), timeout=120)  # long: still running
     next(first)
     with pytest.raises(grpc.RpcError) as e:
         _collect(served.stub, _req(ok, rid="dup"))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dup" in e.value.details()
+    seen.append(("dup", e.value.code()))
     first.cancel()
-    assert len(cases) + 1 >= 25
+    assert seen == [(i, getattr(grpc.StatusCode, c)) for i, (_, c) in enumerate(cases)] + [
+        ("dup", grpc.StatusCode.INVALID_ARGUMENT)]
+    assert len(seen) == 32
     # the server still serves, with the output a fresh server gives (the golden one)
     _, done = _collect(served.stub, _req(base[0]))
     assert list(done.output_ids) == expect[0]
@@ -263,9 +268,15 @@ def test_64_streams_a_third_cancelled(served):
     assert 'k3serve_prefix_cache_bytes{tier="device"}' in text
 
 
-def test_api_key_and_graceful_shutdown():
+@pytest.fixture(scope="module")
+def spare_engine():
+    """A second engine (compiles what it uses only) for the tests that stop or break it."""
+    return _engine(warmup=False)
+
+
+def test_api_key_and_graceful_shutdown(spare_engine):
     base, expect = _prompts()
-    s = Served(_engine(warmup=False), api_key="sekret")  # compiles what it uses only
+    s = Served(spare_engine, api_key="sekret")
     try:
         with pytest.raises(grpc.RpcError) as e:
             s.stub.GetModelInfo(pb.GetModelInfoRequest())
@@ -278,12 +289,24 @@ def test_api_key_and_graceful_shutdown():
         # health stays open for probes
         h = health_pb2_grpc.HealthStub(s.channel)
         assert h.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
-        # shutdown with one request in flight: it finishes within the grace period
+        # shutdown with two requests in flight: one finishes within the grace period, the other
+        # is aborted by the router's Abort RPC, which is served while draining
         call = s.stub.Generate(_req(base[1], max_new=12), metadata=md, timeout=120)
+        long = s.stub.Generate(_req(base[2], rid="drain-abort", max_new=100), metadata=md, timeout=120)
         next(call)
-        aborted = s.server.shutdown(grace_s=60)
+        next(long)
+        res = {}
+        th = threading.Thread(target=lambda: res.setdefault("aborted", s.server.shutdown(grace_s=60)))
+        th.start()
+        t = time.monotonic() + 10
+        while s.loop.accepting and time.monotonic() < t:
+            time.sleep(0.005)
+        assert not s.loop.accepting
+        assert s.stub.Abort(pb.AbortRequest(request_id="drain-abort"), metadata=md).success
+        assert list(long)[-1].complete.finish_reason == "abort"
         rest = list(call)
-        assert aborted == 0 and list(rest[-1].complete.output_ids) == expect[1]
+        th.join(60)
+        assert res["aborted"] == 0 and list(rest[-1].complete.output_ids) == expect[1]
     finally:
         s.channel.close()
         s.server.server.stop(0)
@@ -404,3 +427,182 @@ def _collect_md(stub, req, metadata, timeout=120):
         else:
             complete = r.complete
     return chunks, complete
+
+
+class _Ctx:
+    """A stand-in gRPC servicer context: calls the servicer in-process, so the races of
+    cancellation (callback registered too late, a late callback, a closed generator) are
+    reproduced deterministically."""
+
+    def __init__(self, active=True):
+        self.active = active
+        self.callbacks = []
+
+    def add_callback(self, cb):
+        if not self.active:
+            return False  # what grpc answers once the RPC has ended
+        self.callbacks.append(cb)
+        return True
+
+    def is_active(self):
+        return self.active
+
+    def invocation_metadata(self):
+        return ()
+
+    def abort(self, code, details):
+        raise grpc.RpcError(code, details)
+
+
+def _wait(cond, timeout=10.0):
+    t = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < t, "timed out"
+        time.sleep(0.002)
+
+
+def test_cancels_are_never_lost_or_misdirected(served):
+    base, expect = _prompts()
+    loop = served.loop
+    # a cancel during prefill: a long, new prompt (7 chunks), cancelled before its first token
+    p = [(i * 29 + 5) % 500 for i in range(110)]
+    call = served.stub.Generate(_req(p, rid="pf", max_new=8), timeout=120)
+    _wait(lambda: loop.in_flight("pf"))
+    h = loop._handles["pf"]
+    call.cancel()
+    assert h.first_token_at is None  # still in prefill when cancelled
+    _wait(lambda: not loop.in_flight("pf"))
+    _all_free(loop)  # pages and slot back
+    _, done = _collect(served.stub, _req(base[0], rid="pf"))  # the id again, right after: not aborted
+    assert done.finish_reason == "length" and list(done.output_ids) == expect[0]
+    # add_callback answers False (the RPC ended before it was registered): abort at once
+    outs = list(served.servicer.Generate(_req(base[1], rid="late-cb", max_new=100), _Ctx(active=False)))
+    assert outs[-1].complete.finish_reason == "abort"
+    # a finished RPC's callback firing late aborts nothing, even if its id was reused meanwhile
+    ctx = _Ctx()
+    outs = list(served.servicer.Generate(_req(base[0], rid="reuse", max_new=4), ctx))
+    assert outs[-1].complete.finish_reason == "length" and ctx.callbacks
+    retry = served.stub.Generate(_req(base[1], rid="reuse", max_new=12), timeout=120)
+    next(retry)
+    for cb in ctx.callbacks:
+        cb()
+    assert list(list(retry)[-1].complete.output_ids) == expect[1]
+    # gRPC closes the generator (client gone): the request is aborted, not run to the end
+    gen = served.servicer.Generate(_req(base[2], rid="closed", max_new=100), _Ctx())
+    next(gen)
+    h = loop._handles["closed"]
+    gen.close()
+    finals = []
+    while not finals:
+        out = h._q.get(timeout=10)
+        if out.finished:
+            finals.append(out)
+    assert finals[0].finish_reason == "abort" and finals[0].completion_tokens < 100
+    _all_free(loop)
+
+
+def test_loads_count_request_pages_only(served, monkeypatch):
+    """After every request finished, GetLoads reports 0 used tokens though the prefix cache
+    holds pages (evictable: cached tokens are reported apart); a running request that maps
+    cached pages counts them as used, in GetLoads and in k3serve_kv_pages_used."""
+    from prometheus_client import generate_latest
+
+    stub, loop = served.stub, served.loop
+    p = [(i * 53 + 17) % 500 for i in range(50)]  # a prompt no other test sends
+    _collect(stub, _req(p, stream=False))
+    _all_free(loop)
+    load = stub.GetLoads(pb.GetLoadsRequest()).loads[0]
+    st = loop.stats()
+    assert st["prefix_pages_held"] > 0 and load.num_used_tokens == 0 and load.token_usage == 0, (load, st)
+    info = stub.GetServerInfo(pb.GetServerInfoRequest()).scheduler_info
+    assert info["num_cached_tokens"] == st["prefix_pages_held"] * 16 and info["num_used_tokens"] == 0
+    call = stub.Generate(_req(p + [7, 8, 9], max_new=60), timeout=120)
+    assert next(call).chunk.cached_tokens > 0  # it maps the cached pages
+    need = -(-len(p + [7, 8, 9]) // 16)  # pages its prompt alone fills
+    _wait(lambda: loop.stats()["running"] == 1 and loop.stats()["request_pages"] >= need)
+    text = generate_latest(served.metrics.registry).decode()
+    used = [float(x.split()[-1]) for x in text.splitlines() if x.startswith("k3serve_kv_pages_used ")]
+    assert used and used[0] >= need, text
+    load = stub.GetLoads(pb.GetLoadsRequest()).loads[0]
+    assert load.num_used_tokens >= need * 16 and 0 < load.cache_hit_rate <= 1
+    call.cancel()
+    _all_free(loop)
+    # GetModelInfo reads config.json once, not per call
+    from k3serve.server.api import grpc_service
+
+    stub.GetModelInfo(pb.GetModelInfoRequest())
+    reads = []
+    monkeypatch.setattr(grpc_service.json, "loads", lambda *a, **k: reads.append(a) or {})
+    stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert reads == []
+
+
+def test_failing_step_is_internal_not_serving_and_never_hangs(spare_engine):
+    """A step that raises: every caller gets INTERNAL with the message, health goes
+    NOT_SERVING, the engine refuses further steps, and serve's main loop returns 1 at once
+    with the engine thread gone. Before that: ``stop()`` gives an open handle a final output."""
+    base, expect = _prompts()
+    eng = spare_engine  # broken by this test: it runs after the others that use it
+    s = Served(eng)
+    try:
+        h = s.loop.submit(base[0], SamplingParams(max_new_tokens=80, ignore_eos=True))
+        it = h.outputs()
+        next(it)
+        s.loop.stop()
+        rest = []
+        th = threading.Thread(target=lambda: rest.extend(it), daemon=True)
+        th.start()
+        th.join(10)
+        assert not th.is_alive() and rest and rest[-1].finished  # no consumer left waiting
+        assert rest[-1].finish_reason == "abort"  # stopped, not run to its end
+    finally:
+        s.channel.close()
+        s.server.server.stop(0).wait(10)
+    s = Served(eng)  # a new engine thread and server around the same engine
+    launches = []
+
+    def failing(rows, prev=None):  # once both requests are in flight, the next launch raises
+        launches.append(len(rows))
+        t = time.monotonic() + 30
+        while len(s.loop._handles) < 2 and time.monotonic() < t:
+            time.sleep(0.005)
+        raise RuntimeError("injected launch failure")
+
+    eng.runner.launch = failing
+    try:
+        errors = []
+
+        def one(i):
+            try:
+                _collect(s.stub, _req(base[i], rid=f"f{i}", max_new=30))
+                errors.append((i, "finished"))
+            except grpc.RpcError as e:
+                errors.append((i, e.code(), e.details()))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert sorted(e[:2] for e in errors) == [(0, grpc.StatusCode.INTERNAL), (1, grpc.StatusCode.INTERNAL)], errors
+        assert all("injected launch failure" in e[2] for e in errors)
+        r = s.stub.HealthCheck(pb.HealthCheckRequest())
+        assert not r.healthy and "injected" in r.message
+        hs = health_pb2_grpc.HealthStub(s.channel)
+        assert hs.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            _collect(s.stub, _req(base[1]))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        from k3serve.server.api.serve import run_until_stopped
+        from k3serve.server.engine.request import EngineError
+
+        assert eng.broken is not None
+        with pytest.raises(EngineError, match="broken"):
+            eng.step()  # a half-updated engine is never stepped again
+        t0 = time.monotonic()
+        assert run_until_stopped(s.server, s.loop, threading.Event(), grace_s=30) == 1
+        assert time.monotonic() - t0 < 15 and not s.loop._thread.is_alive()
+    finally:
+        s.channel.close()
+        s.server.server.stop(0)
+        s.loop.stop()

@@ -1,24 +1,34 @@
 """The engine on a thread: many callers submit, stream and abort; one thread steps.
 
-``Engine`` is single-threaded. ``EngineThread`` owns it and runs ``Engine.step()`` on a
-background thread whenever there is work, and sleeps on a condition variable when there is
-none. Callers (gRPC handler threads) talk to it through:
+``Engine`` is single-threaded. ``EngineThread`` owns it: only its thread ever calls the
+engine's mutating methods. Callers (gRPC handler threads) never wait on a step:
 
-* ``submit(prompt, params, rid=None, priority=0) -> RequestHandle`` — validates at once
-  (raises the engine's ``RequestError`` subclasses, so a bad request changes nothing);
-* ``RequestHandle.outputs(timeout)`` — an iterator of ``RequestOutput`` deltas, the last one
-  finished; ``RequestHandle.abort()`` / ``EngineThread.abort(rid)``;
+* ``submit(prompt, params, rid=None, priority=0) -> RequestHandle`` validates at once
+  (``Engine.validate`` is pure, so a bad request gets its ``RequestError`` immediately and
+  changes nothing) and posts the request on the engine thread's inbox;
+* ``RequestHandle.outputs()`` — an iterator of ``RequestOutput`` deltas, the last one
+  finished; it blocks on the handle's own queue. If the engine fails it raises
+  ``EngineFailed`` (gRPC INTERNAL);
+* ``RequestHandle.abort()`` aborts *that* request (never a later one that reuses its id);
+  ``EngineThread.abort(rid)`` aborts the live request of that id (the ``Abort`` RPC);
+* ``stats()`` returns the snapshot the engine thread publishes after every step;
 * ``drain(grace_s)`` — stop admitting, let running requests finish for up to ``grace_s``
-  seconds, abort the rest, and stop the thread.
+  seconds, abort the rest, and stop the thread. ``stop()`` gives every open handle a final
+  output, so no consumer is left waiting.
 
-Engine calls happen under one lock, so a submit waits at most for the current step's host
-part. Time-to-first-token and inter-token latency are observed here (``on_output`` hook).
+The inbox (a ``queue.SimpleQueue``) carries submits, aborts and calls (``flush_cache``,
+``call``); the engine thread drains it at the top of every step and blocks on it when idle.
+A small lock guards only the table of open handles; it is never held across a step.
+Time-to-first-token and inter-token latency are observed here (``on_output`` hook).
 """
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
+import traceback
+import uuid
 from typing import Callable, Iterator
 
 from ..engine.request import RequestError, RequestOutput
@@ -29,6 +39,17 @@ class ShuttingDown(RequestError):
     code = "UNAVAILABLE"
 
 
+class EngineFailed(RequestError):
+    """The engine failed (a step raised): the request cannot complete. gRPC INTERNAL."""
+
+    code = "INTERNAL"
+
+
+def _final(h: "RequestHandle", reason: str = "abort") -> RequestOutput:
+    return RequestOutput(rid=h.rid, new_token_ids=[], token_ids=[], finished=True, finish_reason=reason,
+                         matched_stop=None, prompt_tokens=h.num_prompt, completion_tokens=0)
+
+
 class RequestHandle:
     def __init__(self, loop: "EngineThread", rid: str, num_prompt: int):
         self.loop = loop
@@ -37,146 +58,280 @@ class RequestHandle:
         self.submitted = time.monotonic()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
-        self._q: queue.Queue[RequestOutput] = queue.Queue()
-        self.finished = False
+        self._q: queue.SimpleQueue = queue.SimpleQueue()  # RequestOutput, or an exception to raise
+        self.finished = False  # the final output (or an error) has been put
+        self.admitted = False  # the engine holds the request
+        self.abort_requested = False
+        # engine-thread step counts at submit / admission / abort / freeing (latency benchmarks)
+        self.submit_step = self.admit_step = self.abort_step = self.freed_step = None
 
-    def outputs(self, poll_s: float = 0.1, should_stop: Callable[[], bool] | None = None) -> Iterator[RequestOutput]:
-        """Deltas until the finished one. ``should_stop`` (polled) aborts the request, e.g.
-        when the gRPC client went away; the abort's final output still arrives."""
-        aborted = False
+    def outputs(self) -> Iterator[RequestOutput]:
+        """Deltas until the finished one; raises ``EngineFailed`` if the engine broke."""
         while True:
-            try:
-                out = self._q.get(timeout=poll_s)
-            except queue.Empty:
-                if not aborted and should_stop is not None and should_stop():
-                    aborted = True
-                    self.abort()
-                continue
+            out = self._q.get()
+            if isinstance(out, BaseException):
+                raise out
             yield out
             if out.finished:
                 return
 
     def abort(self) -> bool:
-        return self.loop.abort(self.rid)
+        """Abort this request if it is still running; False if it already ended (or an abort
+        is already on its way)."""
+        return self.loop._abort_handle(self)
 
 
 class EngineThread:
     def __init__(self, engine, on_output: Callable[[RequestHandle, RequestOutput, float], None] | None = None):
         self.engine = engine
         self.on_output = on_output
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self.on_error: list[Callable[[BaseException], None]] = []  # called once, on the engine thread
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _handles and _closed only; never held across a step
         self._handles: dict[str, RequestHandle] = {}
+        self._closed = False
         self._accepting = True
         self._stop = False
         self.error: BaseException | None = None
+        self.num_steps = 0  # steps this thread ran (benchmarks count latencies in steps)
+        self._snapshot = self._make_snapshot()
         self._thread = threading.Thread(target=self._run, name="k3serve-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ callers
     def submit(self, prompt, params: SamplingParams | None = None, *, rid: str | None = None,
                priority: int = 0, cache_salt: str | None = None, api_key: str | None = None) -> RequestHandle:
+        self._check_open()
+        ids = self.engine.validate(prompt, params)  # pure: never touches engine state
+        rid = rid or f"k3-{uuid.uuid4().hex}"
+        h = RequestHandle(self, rid, len(ids))
+        h.submit_step = self.num_steps
         with self._lock:
-            if not self._accepting or self.error is not None:
-                raise ShuttingDown("the server is shutting down" if self.error is None
-                                   else f"the engine failed: {self.error!r}")
-            rid = self.engine.add_request(prompt, params, rid=rid, priority=priority, cache_salt=cache_salt,
-                                          api_key=api_key)
-            h = RequestHandle(self, rid, len(self.engine.requests[rid].prompt))
+            self._check_open()
+            if rid in self._handles:
+                raise RequestError(f"request id {rid!r} is already in use")
             self._handles[rid] = h
-            self._wake.notify()
-            return h
+            self._inbox.put(("submit", h, (ids, params, priority, cache_salt, api_key)))
+        return h
 
     def abort(self, rid: str) -> bool:
+        """Abort the live request with this id; False if there is none."""
         with self._lock:
-            ok = self.engine.abort(rid)
-            self._wake.notify()
-            return ok
+            h = self._handles.get(rid)
+        return h.abort() if h is not None else False
+
+    def _abort_handle(self, h: RequestHandle) -> bool:
+        with self._lock:
+            if h.finished or h.abort_requested or self._handles.get(h.rid) is not h:
+                return False
+            h.abort_requested = True
+            h.abort_step = self.num_steps
+            self._inbox.put(("abort", h, None))
+        return True
+
+    def call(self, fn: Callable, timeout: float | None = None):
+        """Run ``fn(engine)`` on the engine thread between steps; returns its result."""
+        reply: queue.SimpleQueue = queue.SimpleQueue()
+        with self._lock:  # _close drains the inbox after setting _closed: nothing posted is lost
+            if self._closed:
+                raise ShuttingDown("the engine thread has stopped")
+            self._inbox.put(("call", fn, reply))
+        ok, val = reply.get(timeout=timeout)
+        if not ok:
+            raise val
+        return val
 
     def flush_cache(self) -> int:
         """Drop the cached prefixes (those no running request maps); returns snapshots dropped."""
-        with self._lock:
-            return self.engine.flush_prefix_cache()
+        return self.call(lambda eng: eng.flush_prefix_cache())
 
     def in_flight(self, rid: str) -> bool:
         with self._lock:
             return rid in self._handles
 
-    def stats(self) -> dict:
+    def handle(self, rid: str) -> RequestHandle | None:
         with self._lock:
-            return {**self.engine.stats(), "active_requests": len(self._handles)}
+            return self._handles.get(rid)
+
+    def stats(self) -> dict:
+        """The engine's stats as of the last step (published by the engine thread)."""
+        return self._snapshot
 
     @property
     def accepting(self) -> bool:
         return self._accepting
 
+    def _check_open(self) -> None:
+        if self.error is not None:
+            raise ShuttingDown(f"the engine failed: {self.error!r}")
+        if not self._accepting or self._closed:
+            raise ShuttingDown("the server is shutting down")
+
     def drain(self, grace_s: float = 30.0) -> int:
         """Stop admitting; wait up to ``grace_s`` for running requests; abort the rest; stop.
         Returns how many requests had to be aborted."""
-        with self._lock:
-            self._accepting = False
+        self._accepting = False
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not self._handles:
-                    break
+        while time.monotonic() < deadline and self._open_handles():
             time.sleep(0.02)
-        with self._lock:
-            left = list(self._handles)
-            for rid in left:
-                self.engine.abort(rid)
-            self._wake.notify()
+        left = self._open_handles()
+        for h in left:
+            h.abort()
         t = time.monotonic() + 10.0
-        while time.monotonic() < t:
-            with self._lock:
-                if not self._handles:
-                    break
+        while time.monotonic() < t and self._open_handles() and self._thread.is_alive():
             time.sleep(0.02)
         self.stop()
         return len(left)
 
-    def stop(self) -> None:
+    def _open_handles(self) -> list[RequestHandle]:
         with self._lock:
-            self._stop = True
-            self._accepting = False
-            self._wake.notify()
-        self._thread.join(timeout=30)
+            return list(self._handles.values())
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the thread; every handle still open gets a final ("abort") output."""
+        self._stop = True
+        self._accepting = False
+        self._inbox.put(("stop", None, None))
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=timeout)
+        self._close()
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
+        eng = self.engine
         try:
             while True:
-                with self._lock:
-                    while not self._stop and not self.engine.has_unfinished() and not self._owed():
-                        self._wake.wait()
-                    if self._stop:
-                        return
-                    outs = self.engine.step()
-                    now = time.monotonic()
-                    for out in outs:
-                        h = self._handles.get(out.rid)
-                        if h is None:
-                            continue
-                        if out.new_token_ids:
-                            if h.first_token_at is None:
-                                h.first_token_at = now
-                        if self.on_output is not None:
-                            self.on_output(h, out, now)
-                        if out.new_token_ids:
-                            h.last_token_at = now
-                        if out.finished:
-                            h.finished = True
-                            del self._handles[out.rid]
-                        h._q.put(out)
+                self._drain_inbox(block=not eng.has_unfinished())
+                if self._stop:
+                    for h in self._open_handles():  # the engine may be stepped again by another thread
+                        if h.admitted:
+                            eng.abort(h.rid)
+                    return
+                owed = self._apply()  # an applied abort owes its final output: emitted by the next step
+                if not (owed or eng.has_unfinished()):
+                    self._publish()
+                    continue
+                outs = eng.step()
+                self.num_steps += 1
+                now = time.monotonic()
+                for out in outs:
+                    self._deliver(out, now)
+                self._publish()
         except BaseException as e:  # the engine broke: fail every caller, refuse new work
             self.error = e
-            with self._lock:
-                self._accepting = False
-                for rid, h in list(self._handles.items()):
-                    h._q.put(RequestOutput(rid, [], [], True, "abort", None, h.num_prompt, 0))
-                self._handles.clear()
-            raise
+            self._accepting = False
+            print(f"k3serve: engine step failed: {e!r}", file=sys.stderr, flush=True)
+            traceback.print_exc()
+            self._close(EngineFailed(f"the engine failed: {e!r}"))
+            try:
+                self._publish()
+            except Exception:
+                pass
+            for cb in list(self.on_error):
+                try:
+                    cb(e)
+                except Exception:  # a listener must not hide the engine's error
+                    traceback.print_exc()
+        finally:
+            self._close()
 
-    def _owed(self) -> bool:
-        """An aborted request still owes its final output (emitted by the next step)."""
-        return any(r.finished for r in self.engine.requests.values())
+    def _drain_inbox(self, block: bool) -> None:
+        self._msgs = []
+        if block:
+            self._msgs.append(self._inbox.get())
+        while True:
+            try:
+                self._msgs.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        if any(kind == "stop" for kind, _, _ in self._msgs):
+            self._stop = True
+
+    def _apply(self) -> bool:
+        """Apply the drained messages, in order, on the engine thread; True if an abort was
+        applied (its final output is still owed)."""
+        eng = self.engine
+        owed = False
+        for kind, h, arg in self._msgs:
+            if kind == "submit":
+                if h.abort_requested:  # aborted before it ever reached the engine
+                    self._deliver(_final(h), time.monotonic())
+                    continue
+                ids, params, priority, salt, key = arg
+                try:
+                    eng.admit(ids, params, rid=h.rid, priority=priority, cache_salt=salt, api_key=key)
+                except RequestError as e:
+                    self._fail(h, e)
+                    continue
+                h.admitted = True
+                h.admit_step = self.num_steps
+            elif kind == "abort":
+                if h.admitted and not h.finished and eng.abort(h.rid):
+                    h.freed_step = self.num_steps
+                    owed = True
+            elif kind == "call":
+                try:
+                    res = (True, h(eng))
+                except Exception as e:
+                    res = (False, e)
+                self._publish()  # the caller sees the call's effect in stats() at once
+                arg.put(res)
+        self._msgs = []
+        return owed
+
+    def _deliver(self, out: RequestOutput, now: float) -> None:
+        with self._lock:
+            h = self._handles.get(out.rid)
+            if h is None or h.finished:
+                return
+            if out.finished:
+                h.finished = True
+                del self._handles[out.rid]
+        if out.new_token_ids and h.first_token_at is None:
+            h.first_token_at = now
+        if self.on_output is not None:
+            self.on_output(h, out, now)
+        if out.new_token_ids:
+            h.last_token_at = now
+        h._q.put(out)
+
+    def _fail(self, h: RequestHandle, err: BaseException) -> None:
+        with self._lock:
+            if h.finished:
+                return
+            h.finished = True
+            if self._handles.get(h.rid) is h:
+                del self._handles[h.rid]
+        h._q.put(err)
+
+    def _close(self, err: BaseException | None = None) -> None:
+        """No more work: every open handle gets ``err`` (raised by its ``outputs()``) or else a
+        final "abort" output; pending calls get ``ShuttingDown``."""
+        with self._lock:
+            self._closed = True
+            left = list(self._handles.values())
+        while True:  # submits and calls posted after the thread's last drain
+            try:
+                kind, h, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "call":
+                arg.put((False, err or ShuttingDown("the engine thread has stopped")))
+        for h in left:
+            if err is not None:
+                self._fail(h, err)
+            else:
+                with self._lock:
+                    if h.finished:
+                        continue
+                    h.finished = True
+                    self._handles.pop(h.rid, None)
+                h._q.put(_final(h))
+
+    def _make_snapshot(self) -> dict:
+        with self._lock:
+            active = len(self._handles)
+        return {**self.engine.stats(), "active_requests": active, "loop_steps": self.num_steps}
+
+    def _publish(self) -> None:
+        self._snapshot = self._make_snapshot()  # one reference swap: readers see a whole snapshot

@@ -21,7 +21,8 @@ flight), OUT_OF_RANGE (token ids outside the vocabulary, prompt or max_new_token
 context), RESOURCE_EXHAUSTED (a request that cannot fit the KV budget even alone; messages
 larger than the configured limit), UNAVAILABLE (not ready yet, or shutting down),
 UNAUTHENTICATED (missing / wrong API key). A client that cancels or whose deadline passes
-has its request aborted in the engine, which frees its pages and slot.
+has its request aborted in the engine, which frees its pages and slot. A failed engine step
+fails every request in flight with INTERNAL (and the message) and turns health NOT_SERVING.
 """
 from __future__ import annotations
 
@@ -157,6 +158,7 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         self.start_time = time.time()
         self.last_receive = 0.0
         self._bundle: bytes | None = None
+        self._raw_config: dict | None = None  # config.json, read once
 
     def set_ready(self, loop) -> None:
         self.loop = loop
@@ -187,32 +189,46 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
             if self.metrics is not None:
                 self.metrics.rejected(e.code)
             context.abort(_status(e.code), str(e))
-        context.add_callback(handle.abort)  # cancel / deadline / disconnect: free the request
+        # cancel / deadline / disconnect: abort this handle (a no-op once it finished, so a
+        # retry that reuses the id is never hit). False: the RPC already ended, abort now.
+        if not context.add_callback(handle.abort):
+            handle.abort()
         n_prompt = handle.num_prompt
         want_lp = params.logprobs is not None
         sent_lp = 0
-        for out in handle.outputs(should_stop=lambda: not context.is_active()):
-            if request.stream and out.new_token_ids:
-                chunk = pb.GenerateStreamChunk(token_ids=out.new_token_ids, prompt_tokens=n_prompt,
-                                               completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens)
-                if want_lp:
-                    chunk.output_logprobs.CopyFrom(_logprobs(out.logprobs[sent_lp:], out.token_ids[sent_lp:]))
-                    sent_lp = len(out.logprobs)
-                yield pb.GenerateResponse(request_id=rid, chunk=chunk)
-            if out.finished:
-                done = pb.GenerateComplete(output_ids=out.token_ids, finish_reason=out.finish_reason or "abort",
-                                           prompt_tokens=n_prompt, completion_tokens=out.completion_tokens,
-                                           cached_tokens=out.cached_tokens)
-                if isinstance(out.matched_stop, str):
-                    done.matched_stop_str = out.matched_stop
-                elif out.matched_stop is not None:
-                    done.matched_token_id = int(out.matched_stop)
-                if want_lp:
-                    done.output_logprobs.CopyFrom(_logprobs(out.logprobs or [], out.token_ids))
-                yield pb.GenerateResponse(request_id=rid, complete=done)
+        try:
+            for out in handle.outputs():
+                if request.stream and out.new_token_ids:
+                    chunk = pb.GenerateStreamChunk(token_ids=out.new_token_ids, prompt_tokens=n_prompt,
+                                                   completion_tokens=out.completion_tokens,
+                                                   cached_tokens=out.cached_tokens)
+                    if want_lp:
+                        new_lp = getattr(out, "new_logprobs", None)
+                        if new_lp is None:  # outputs that carry the whole list so far
+                            new_lp = out.logprobs[sent_lp:]
+                        sent_lp += len(new_lp)
+                        chunk.output_logprobs.CopyFrom(_logprobs(new_lp, out.new_token_ids))
+                    yield pb.GenerateResponse(request_id=rid, chunk=chunk)
+                if out.finished:
+                    done = pb.GenerateComplete(output_ids=out.token_ids, finish_reason=out.finish_reason or "abort",
+                                               prompt_tokens=n_prompt, completion_tokens=out.completion_tokens,
+                                               cached_tokens=out.cached_tokens)
+                    if isinstance(out.matched_stop, str):
+                        done.matched_stop_str = out.matched_stop
+                    elif out.matched_stop is not None:
+                        done.matched_token_id = int(out.matched_stop)
+                    if want_lp:
+                        done.output_logprobs.CopyFrom(_logprobs(out.logprobs or [], out.token_ids))
+                    yield pb.GenerateResponse(request_id=rid, complete=done)
+        except RequestError as e:  # the engine failed under this request
+            context.abort(_status(e.code), str(e))
+        finally:  # gRPC closed the generator (client gone) or anything raised: free the request
+            handle.abort()
 
     def Abort(self, request, context):
-        loop = self._loop(context)
+        loop = self.loop  # served while draining too: a router's aborts must land during the grace period
+        if loop is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         ok = loop.abort(request.request_id)
         return pb.AbortResponse(success=ok, message="aborted" if ok else f"no running request {request.request_id!r}")
 
@@ -230,9 +246,12 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
     def GetModelInfo(self, request, context):
         loop = self._loop(context)
         cfg = loop.engine.model.config
-        raw = {}
-        if self.model_dir is not None and (self.model_dir / "config.json").is_file():
-            raw = json.loads((self.model_dir / "config.json").read_text())
+        if self._raw_config is None:
+            raw = {}
+            if self.model_dir is not None and (self.model_dir / "config.json").is_file():
+                raw = json.loads((self.model_dir / "config.json").read_text())
+            self._raw_config = raw
+        raw = self._raw_config
         eos = cfg.eos_token_id
         tok_dir = str(self.model_dir) if self.model_dir and any(
             (self.model_dir / f).is_file() for f in TOKENIZER_FILES[:4]) else ""
@@ -260,9 +279,11 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
             "recipe": str(eng.recipe) if eng.recipe is not None else "single",
             **self.server_args,
         }
+        ps = eng.capacity_plan.page_size
         sched = {"num_pages": eng.capacity_plan.num_pages, "num_slots": eng.capacity_plan.num_slots,
                  "max_concurrent_slots": st["max_concurrent_slots"], "num_compiles": st["num_compiles"],
-                 "warmup_s": round(st["warmup_s"], 3)}
+                 "warmup_s": round(st["warmup_s"], 3), "num_used_tokens": st["request_pages"] * ps,
+                 "num_cached_tokens": st["evictable_pages"] * ps}
         ts = timestamp_pb2.Timestamp()
         ts.FromSeconds(int(self.start_time))
         return pb.GetServerInfoResponse(
@@ -272,17 +293,22 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
             start_time=ts, max_total_num_tokens=st["max_tokens_in_kv"])
 
     def GetLoads(self, request, context):
+        """From the engine thread's last snapshot. As SGLang: used = total - free - evictable
+        (pages only the prefix cache holds are free for the taking); cached tokens are in
+        GetServerInfo's scheduler_info (``num_cached_tokens``), the hit rate here."""
         loop = self._loop(context)
         st = loop.stats()
         eng = loop.engine
-        used = (eng.capacity_plan.num_pages - st["free_pages"]) * eng.capacity_plan.page_size
+        used = st["request_pages"] * eng.capacity_plan.page_size
         cap = max(1, st["max_tokens_in_kv"])
         running, waiting = st["running"], st["waiting"]
+        max_seqs = eng.scheduler.max_num_seqs
+        hit_rate = st.get("prefix_hit_tokens", 0) / max(1, st.get("prefix_query_tokens", 0))
         load = pb.SchedulerLoad(
             dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting, num_total_reqs=running + waiting,
             num_used_tokens=used, max_total_num_tokens=st["max_tokens_in_kv"], token_usage=used / cap,
-            max_running_requests=eng.scheduler.max_num_seqs, utilization=running / max(1, eng.scheduler.max_num_seqs),
-            num_waiting_uncached_tokens=sum(r.remaining for r in list(eng.scheduler.waiting)))
+            max_running_requests=max_seqs, utilization=running / max(1, max_seqs), cache_hit_rate=hit_rate,
+            num_waiting_uncached_tokens=st["waiting_uncached_tokens"])
         agg = pb.AggregateMetrics(total_running_reqs=running, total_waiting_reqs=waiting,
                                   total_reqs=running + waiting, avg_token_usage=used / cap,
                                   avg_utilization=load.utilization)
@@ -310,7 +336,10 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         loop = self._loop(context)
         if loop.engine.prefix_cache is None:
             return common_pb2.FlushCacheResponse(success=True, message="prefix caching is off: nothing to flush")
-        n = loop.flush_cache()
+        try:
+            n = loop.flush_cache()
+        except RequestError as e:
+            context.abort(_status(e.code), str(e))
         return common_pb2.FlushCacheResponse(
             success=True, message=f"dropped {n} cached prefix states and the pages only they held "
                                   "(pages of running requests stay until they finish)")
@@ -417,8 +446,14 @@ class GrpcServer:
 
     def set_ready(self, loop) -> None:
         self.servicer.set_ready(loop)
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        loop.on_error.append(lambda e: self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        if loop.error is not None:  # failed before the listener was in place
+            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self.health.set(name, status)
 
     def shutdown(self, grace_s: float = 30.0) -> int:
         """Graceful stop: NOT_SERVING, stop admitting, let in-flight requests finish for up to

@@ -3,7 +3,8 @@
 Histograms are observed by the engine loop as outputs leave it (``observe_output``):
 time to first token, inter-token latency (a chunk of k tokens after a gap g counts k gaps
 of g/k), end-to-end latency. Gauges and counters that the engine already keeps (running /
-waiting requests, KV pages used, preemptions, compilations, steps) are read at scrape time.
+waiting requests, KV pages used, preemptions, compilations, steps) are read at scrape time
+from the snapshot the engine thread publishes after each step (a scrape never waits on a step).
 """
 from __future__ import annotations
 
@@ -77,8 +78,8 @@ class _EngineCollector:
         yield g("k3serve_requests_running", "Requests holding a KDA slot", st["running"])
         yield g("k3serve_requests_waiting", "Requests queued", st["waiting"])
         cached = st.get("prefix_pages_held", 0)
-        yield g("k3serve_kv_pages_used", "MLA KV pages held by requests (cached prefix pages apart)",
-                eng.capacity_plan.num_pages - st["free_pages"] - cached)
+        yield g("k3serve_kv_pages_used", "MLA KV pages held by at least one request (shared cached pages "
+                "included; pages only the prefix cache holds apart)", st["request_pages"])
         yield g("k3serve_kv_pages_total", "MLA KV pages", eng.capacity_plan.num_pages)
         yield g("k3serve_kda_slots_free", "Free KDA state slots", st["free_slots"])
         yield CounterMetricFamily("k3serve_preemptions", "Requests preempted (recomputed later)",

@@ -69,14 +69,27 @@ def serve(args) -> int:
         print(f"k3serve: SERVING {path.name}: max_num_seqs {args.max_num_seqs}, KV {st['max_tokens_in_kv']} tokens "
               f"({st['max_concurrent_slots']} KDA slots), warm-up {st['warmup_s']:.1f}s, "
               f"{st['num_compiles']} programs", flush=True)
-    while not stop.wait(0.5):
-        if loop.error is not None:
-            print(f"k3serve: engine failed: {loop.error!r}", file=sys.stderr, flush=True)
-            server.shutdown(0)
-            return 1
+    return run_until_stopped(server, loop, stop, args.grace_period, metrics)
+
+
+def run_until_stopped(server, loop, stop, grace_s: float, metrics=None) -> int:
+    """Serve until ``stop`` is set (SIGTERM/SIGINT: drain for ``grace_s``, return 0) or the
+    engine fails (every caller already has INTERNAL; stop at once, return 1)."""
+    loop.on_error.append(lambda e: stop.set())
+    if loop.error is not None:
+        stop.set()
+    while not stop.wait(1.0):  # a timeout keeps the main thread responsive to signals
+        pass
+    if loop.error is not None:
+        print(f"k3serve: engine failed: {loop.error!r}", file=sys.stderr, flush=True)
+        server.shutdown(0)
+        if metrics is not None:
+            metrics.close()
+        return 1
     print("k3serve: shutting down (draining in-flight requests)", flush=True)
-    aborted = server.shutdown(args.grace_period)
-    metrics.close()
+    aborted = server.shutdown(grace_s)
+    if metrics is not None:
+        metrics.close()
     print(f"k3serve: stopped ({aborted} requests aborted at the deadline)", flush=True)
     return 0
 

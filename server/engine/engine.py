@@ -19,6 +19,7 @@ cost nothing. ``async_scheduling=False`` waits for each step before planning the
 """
 from __future__ import annotations
 
+import copy
 import random
 import time
 from typing import Callable
@@ -26,7 +27,8 @@ from typing import Callable
 import numpy as np
 
 from .cache import CacheManager, plan_capacity
-from .request import CapacityError, OutOfRangeError, Request, RequestError, RequestOutput, Status
+from .request import (CapacityError, EngineError, OutOfRangeError, Request, RequestError, RequestOutput, Status,
+                      next_request_number)
 from .runner import Runner
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -59,6 +61,8 @@ class Engine:
             devs = list(jax.devices() if devices is None else devices)
             self.recipe = Recipe.parse(recipe).validate(cfg, num_devices=len(devs))
             self.mesh = build_mesh(self.recipe, devs)
+            model = copy.copy(model)  # the caller's model keeps its own (unsharded) parameters
+            self.model = model
             model.params = shard_params(model.params, self.mesh)
             from ...sharding.parallel import StepParallel
 
@@ -102,6 +106,7 @@ class Engine:
                              max_model_len=max_model_len, max_logprobs=max_logprobs,
                              page_buckets=page_buckets, split_mixed=split_mixed_steps, par=self.par)
         self.requests: dict[str, Request] = {}
+        self.broken: BaseException | None = None  # a step failed: the state is half-updated, no more steps
         self.warmup_s = 0.0
         self.num_steps = 0
         self.num_preemptions = 0
@@ -115,15 +120,14 @@ class Engine:
             self.warmup_s = time.perf_counter() - t
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-                    priority: int = 0, cache_salt: str | None = None, api_key: str | None = None) -> str:
-        """Queue a request. ``cache_salt`` (or else ``api_key``) names its prefix-cache tenant:
-        requests of different tenants never share cached pages or states."""
-        params = params or SamplingParams()
-        try:
-            ids = [int(t) for t in np.asarray(prompt).reshape(-1)]
-        except (TypeError, ValueError, OverflowError):
-            raise RequestError("prompt must be a sequence of integer token ids") from None
+    def validate(self, prompt, params: SamplingParams | None = None) -> list[int]:
+        """Check a request against the model, the context and the KV capacity; returns its
+        token ids. Pure: reads only what is fixed at construction, so any thread may call it
+        while another steps the engine. Raises a ``RequestError`` subclass."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = _token_ids(prompt)
         V = self.model.config.vocab_size
         if not ids:
             raise RequestError("prompt must contain at least one token id")
@@ -133,6 +137,9 @@ class Engine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < V]
         if bad:
             raise OutOfRangeError(f"stop token id {bad[0]} out of range [0, {V})")
+        if params.logprobs is not None and params.logprobs > self.runner.max_logprobs:
+            raise RequestError(f"logprobs {params.logprobs} exceeds this engine's max_logprobs "
+                               f"{self.runner.max_logprobs}")
         if len(ids) >= self.max_model_len:
             raise OutOfRangeError(f"prompt of {len(ids)} tokens does not fit max_model_len {self.max_model_len}")
         if params.max_new_tokens > self.max_model_len:
@@ -141,12 +148,30 @@ class Engine:
         if total > self.capacity_plan.max_tokens_per_request:
             raise CapacityError(f"prompt + max_new_tokens = {total} tokens exceeds the KV capacity "
                                 f"({self.capacity_plan.max_tokens_per_request} tokens)")
+        return ids
+
+    def add_request(self, prompt, params: SamplingParams | None = None, *, rid: str | None = None,
+                    priority: int = 0, cache_salt: str | None = None, api_key: str | None = None) -> str:
+        """Queue a request (``validate`` + ``admit``). ``cache_salt`` (or else ``api_key``) names
+        its prefix-cache tenant: requests of different tenants never share cached pages or states."""
+        ids = self.validate(prompt, params)
+        return self.admit(ids, params, rid=rid, priority=priority, cache_salt=cache_salt, api_key=api_key)
+
+    def admit(self, ids: list[int], params: SamplingParams | None = None, *, rid: str | None = None,
+              priority: int = 0, cache_salt: str | None = None, api_key: str | None = None) -> str:
+        """Queue a request whose ``ids`` came from ``validate``. Refuses an id in use; without
+        one, generates an id that no live request has."""
+        params = params if params is not None else SamplingParams()
         if rid is not None and rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
+        if rid is None:
+            rid = f"req-{next_request_number()}"
+            while rid in self.requests:  # a caller chose this name: take the next
+                rid = f"req-{next_request_number()}"
         seed = params.seed if params.seed is not None else random.getrandbits(31)
         from .cache.prefix_keys import tenant_salt
 
-        req = Request(prompt=ids, params=params, rid=rid or "", priority=priority, seed=seed,
+        req = Request(prompt=list(ids), params=params, rid=rid, priority=priority, seed=seed,
                       salt=tenant_salt(cache_salt, api_key))
         self.requests[req.rid] = req
         self.scheduler.add(req)
@@ -170,10 +195,20 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns an output for every request that progressed or ended."""
+        """Run one engine step; returns an output for every request that progressed or ended.
+
+        A step that raises leaves scheduler, cache and device state half-updated (part of a
+        split step may already have run), so the engine is marked ``broken`` and every later
+        ``step()`` raises ``EngineError``: build a new engine."""
+        if self.broken is not None:
+            raise EngineError(f"the engine is broken: an earlier step failed ({self.broken!r}); its state is "
+                              "half-updated and cannot be stepped again (build a new Engine)")
         t0 = time.perf_counter()
         try:
             return self._step()
+        except BaseException as e:
+            self.broken = e
+            raise
         finally:
             self.step_s += time.perf_counter() - t0
 
@@ -261,6 +296,7 @@ class Engine:
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict:
+        evictable = self.prefix_cache.index.num_evictable_pages() if self.prefix_cache is not None else 0
         return {
             "num_compiles": self.runner.num_compiles,
             "num_steps": self.num_steps,
@@ -269,6 +305,10 @@ class Engine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "free_pages": self.cache_mgr.num_free_pages,
+            # pages only the prefix cache holds (evictable) vs pages at least one request maps
+            "evictable_pages": evictable,
+            "request_pages": self.capacity_plan.num_pages - self.cache_mgr.num_free_pages - evictable,
+            "waiting_uncached_tokens": sum(r.remaining for r in self.scheduler.waiting),
             "free_slots": self.cache_mgr.num_free_slots,
             "warmup_s": self.warmup_s,
             "step_s": self.step_s,
@@ -297,3 +337,23 @@ class Engine:
             self.prefix_cache.check_invariants()
         else:
             self.cache_mgr.check_invariants()
+
+
+def _token_ids(prompt) -> list[int]:
+    """Token ids as Python ints: a sequence of ints or an integer numpy array. Floats (even
+    integral ones), bools and strings are refused rather than truncated."""
+    msg = "prompt must be a sequence of integer token ids"
+    if isinstance(prompt, (str, bytes)):
+        raise RequestError(msg)
+    if isinstance(prompt, np.ndarray):
+        if prompt.dtype.kind not in "iu":
+            raise RequestError(f"{msg}, got an array of {prompt.dtype}")
+        return [int(t) for t in prompt.reshape(-1)]
+    try:
+        items = list(prompt)
+    except TypeError:
+        raise RequestError(msg) from None
+    for t in items:
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise RequestError(f"{msg}, got {t!r}")
+    return [int(t) for t in items]

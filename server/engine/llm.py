@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
+import numpy as np
+
 from ...model import load_pretrained
 from .engine import Engine
-from .request import RequestOutput
+from .request import EngineError, RequestOutput
 from .sampling_params import SamplingParams
 
 
@@ -30,37 +32,78 @@ def recipe_placement(model_path, recipe, devices=None):
 
 
 class LLM:
+    """Offline generation over one engine. ``generate`` and ``stream`` share it: outputs of
+    one caller's requests that arrive while another steps the engine are kept for their
+    owner, never dropped. A failed step raises ``EngineError`` (the engine cannot go on)."""
+
     def __init__(self, model_path, dtype: str = "float32", *, dequantize_experts: bool = False, **engine_kwargs):
         placement = recipe_placement(model_path, engine_kwargs.get("recipe"), engine_kwargs.get("devices"))
         self.model = load_pretrained(model_path, dtype=dtype, dequantize_experts=dequantize_experts,
                                      placement=placement)
         self.engine = Engine(self.model, **engine_kwargs)
+        self._mine: dict[str, list[RequestOutput]] = {}  # rid -> outputs not yet taken by its caller
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
-        """Run every prompt to completion (continuously batched); outputs in prompt order."""
-        if prompts and isinstance(prompts[0], int):
+        """Run every prompt to completion (continuously batched); outputs in prompt order.
+        ``prompts``: a list of prompts (each a sequence of ids or an integer numpy array), or
+        one prompt (a flat sequence of ids, or a 1-D integer array)."""
+        if isinstance(prompts, np.ndarray):
+            prompts = [prompts] if prompts.ndim == 1 else list(prompts)
+        elif len(prompts) and isinstance(prompts[0], (int, np.integer)):
             prompts = [prompts]
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError("need one SamplingParams per prompt (or a single one)")
-        rids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        rids = [self._add(p, sp) for p, sp in zip(prompts, plist)]
         done: dict[str, RequestOutput] = {}
-        while len(done) < len(rids):
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.rid] = out
+        try:
+            while len(done) < len(rids):
+                for rid in rids:
+                    for out in self._take(rid):
+                        if out.finished:
+                            done[rid] = out
+                if len(done) < len(rids):
+                    self._step()
+        finally:
+            for rid in rids:
+                self._mine.pop(rid, None)
+                if rid not in done and self.engine.broken is None:
+                    self.engine.abort(rid)
         return [done[r] for r in rids]
 
-    def stream(self, prompt: Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield one delta per step that produced tokens for this prompt, the last finished."""
-        rid = self.engine.add_request(prompt, params)
+        rid = self._add(prompt, params)
         try:
             while True:
-                for out in self.engine.step():
-                    if out.rid == rid:
-                        yield out
-                        if out.finished:
-                            return
+                for out in self._take(rid):
+                    yield out
+                    if out.finished:
+                        return
+                self._step()
         finally:
-            self.engine.abort(rid)
+            self._mine.pop(rid, None)
+            if self.engine.broken is None:
+                self.engine.abort(rid)
+
+    def _add(self, prompt, params) -> str:
+        rid = self.engine.add_request(prompt, params)
+        self._mine[rid] = []
+        return rid
+
+    def _take(self, rid: str) -> list[RequestOutput]:
+        outs, self._mine[rid] = self._mine.get(rid, []), []
+        return outs
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except EngineError:
+            raise
+        except Exception as e:
+            raise EngineError(f"engine step failed: {e!r}; this LLM cannot generate any more "
+                              "(its engine state is half-updated)") from e
+        for out in outs:
+            if out.rid in self._mine:
+                self._mine[out.rid].append(out)

@@ -22,6 +22,11 @@ from .sampling_params import SamplingParams
 _ids = itertools.count()
 
 
+def next_request_number() -> int:
+    """A process-wide increasing number (request order; generated request ids)."""
+    return next(_ids)
+
+
 class RequestError(ValueError):
     """A request the engine refuses; ``code`` names the gRPC status it maps to."""
 
@@ -38,6 +43,13 @@ class CapacityError(RequestError):
     """The request cannot fit the engine's KV budget even alone."""
 
     code = "RESOURCE_EXHAUSTED"
+
+
+class EngineError(RuntimeError):
+    """A step failed, or the engine is broken by an earlier failed step (an internal error,
+    not the request's fault: ``code`` is the gRPC status it maps to)."""
+
+    code = "INTERNAL"
 
 
 class Status(enum.Enum):

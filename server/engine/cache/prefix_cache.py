@@ -192,9 +192,9 @@ class PrefixCache:
             self.num_hits += 1
             self.hit_tokens += hit.tokens
             self.kv_hit_tokens += full * ps
-        if req.cached_tokens is None:
+        if req.cached_tokens is None:  # first admission (a re-admission after preemption is no new query)
             req.cached_tokens = n * self.unit
-        self.query_tokens += req.num_known
+            self.query_tokens += req.num_known
         max_units = min(len(hashes), (req.num_tokens - 1) // self.unit)
         if self.second_hit:
             s = longest_match(hashes[:max_units], lambda h: h in self._seen or h in self.index)

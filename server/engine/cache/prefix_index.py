@@ -73,6 +73,11 @@ class PrefixIndex:
     def bytes_held(self) -> int:
         return self.num_pages * self.bytes_per_page + self.num_snapshots * self.bytes_per_snapshot
 
+    def num_evictable_pages(self) -> int:
+        """Pages only the index holds (no request maps them): what eviction can free."""
+        ref = self.pool.refcount
+        return sum(1 for p in self._page_units if ref(p) == 1)
+
     def page_refs(self) -> dict[int, int]:
         return {p: 1 for p in self._page_units}
 
