@@ -188,14 +188,12 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         context.add_callback(handle.abort)  # cancel / deadline / disconnect: free the request
         n_prompt = handle.num_prompt
         want_lp = params.logprobs is not None
-        sent_lp = 0
         for out in handle.outputs(should_stop=lambda: not context.is_active()):
             if request.stream and out.new_token_ids:
                 chunk = pb.GenerateStreamChunk(token_ids=out.new_token_ids, prompt_tokens=n_prompt,
                                                completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens)
                 if want_lp:
-                    chunk.output_logprobs.CopyFrom(_logprobs(out.logprobs[sent_lp:], out.token_ids[sent_lp:]))
-                    sent_lp = len(out.logprobs)
+                    chunk.output_logprobs.CopyFrom(_logprobs(out.new_logprobs or [], out.new_token_ids))
                 yield pb.GenerateResponse(request_id=rid, chunk=chunk)
             if out.finished:
                 done = pb.GenerateComplete(output_ids=out.token_ids, finish_reason=out.finish_reason or "abort",
