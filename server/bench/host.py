@@ -9,12 +9,13 @@ One engine (``max_model_len`` fits the longest context) runs, for each context l
 with prefix caching the prefill is computed about once) through their prefill, then times
 ``--steps`` decode steps. A step's host time is its wall time in ``Engine.step`` minus the
 time it spent blocked waiting for the device (``runner.wait_s``): planning, packing,
-dispatch, output handling. Reported per context: the median and mean host ms per step, and
+dispatch, output handling. A step that compiled a new shape (a sequence crossing into the
+next page bucket) is left out and counted in ``steps_compiling``. Reported per context: the median and mean host ms per step, and
 the ratio of the longest context's median to the shortest's (goal: <= 1.3). ``--penalties``
 gives every request repetition and frequency penalties, ``--stop`` a stop string (needs the
 checkpoint's tokenizer), so those per-step paths are timed too.
 
-Only ``Engine``, ``Engine.step`` and ``runner.wait_s`` are used, so the same file measures an
+Only ``Engine``, ``Engine.step``, ``runner.wait_s`` and ``runner.num_compiles`` are used, so the same file measures an
 older tree of the package as well. On CPU the "device" shares the host's cores: a loaded
 machine inflates both numbers.
 """
@@ -41,11 +42,14 @@ def measure(eng, prompt, rows: int, steps: int, warm: int, params) -> dict:
             if o.rid in got:
                 got[o.rid] += len(o.new_token_ids)
     prefill_s = time.perf_counter() - t
-    host, wall = [], []
+    host, wall, compiled = [], [], 0
     for _ in range(steps):
-        w0, t0 = eng.runner.wait_s, time.perf_counter()
+        c0, w0, t0 = eng.runner.num_compiles, eng.runner.wait_s, time.perf_counter()
         eng.step()
         dt = time.perf_counter() - t0
+        if eng.runner.num_compiles != c0:  # a new shape (e.g. the next page bucket): not host work
+            compiled += 1
+            continue
         wall.append(dt)
         host.append(dt - (eng.runner.wait_s - w0))
     for r in rids:
@@ -54,7 +58,8 @@ def measure(eng, prompt, rows: int, steps: int, warm: int, params) -> dict:
         eng.step()
     eng.step()  # the aborted requests' final outputs
     ms = [1e3 * h for h in host]
-    return {"context": len(prompt), "rows": rows, "steps": steps, "prefill_s": round(prefill_s, 1),
+    return {"context": len(prompt), "rows": rows, "steps": len(host), "steps_compiling": compiled,
+            "prefill_s": round(prefill_s, 1),
             "host_ms_median": round(statistics.median(ms), 3), "host_ms_mean": round(statistics.fmean(ms), 3),
             "host_ms_min": round(min(ms), 3), "wall_ms_median": round(1e3 * statistics.median(wall), 3)}
 

@@ -146,13 +146,15 @@ class Runner:
         self.vocab_size = V = model.config.vocab_size
         # token table: row 0 for rows that use none, then one per running request that does
         self.table = jnp.zeros((max_num_seqs + 1, V), jnp.int32)
+        keep = {}  # on a mesh the table stays replicated, call after call
         if par is not None:
             from jax.sharding import NamedSharding, PartitionSpec
 
-            self.table = jax.device_put(self.table, NamedSharding(par.mesh, PartitionSpec()))
+            keep = {"out_shardings": NamedSharding(par.mesh, PartitionSpec())}
+            self.table = jax.device_put(self.table, keep["out_shardings"])
         self._table_row: dict[str, int] = {}
         self._table_free = list(range(max_num_seqs, 0, -1))
-        self._set_row = jax.jit(lambda table, i, row: table.at[i].set(row), donate_argnums=(0,))
+        self._set_row = jax.jit(lambda table, i, row: table.at[i].set(row), donate_argnums=(0,), **keep)
         self.table_inits = 0  # rows built on the host (admissions and re-admissions that need one)
         self._fns: dict = {}  # (T, P) -> jitted step
         graphdef = model.graphdef
@@ -177,6 +179,8 @@ class Runner:
                                  suppress=(flags & _SUPPRESS) != 0, table_rows=trow, table=table)
             out = sample(rows, sinp, max_logprobs)
             table = record_tokens(table, trow, out.tokens, (flags & _RECORD) != 0)
+            if keep:
+                table = jax.lax.with_sharding_constraint(table, keep["out_shardings"])
             full = out.tokens if B == M else jnp.zeros(M, jnp.int32).at[:B].set(out.tokens)
             return out, full, cache, table
 
