@@ -172,7 +172,7 @@ def test_penalties_read_the_same_token_tables_on_prefix_hits(engines):
     shared = _toks(rng, 40)
     pen = SamplingParams(max_new_tokens=6, temperature=0, repetition_penalty=1.6, frequency_penalty=0.8,
                          presence_penalty=-0.4, ignore_eos=True, logprobs=5)
-    prompts = [shared + _toks(rng, 2), shared + _toks(rng, 9), shared[:37] + _toks(rng, 5)]
+    prompts = [shared + _toks(rng, 2), shared + _toks(rng, 9), shared + _toks(rng, 5)]  # hits at 40
     got = {}
     for eng in (on, off):
         outs = []
