@@ -244,34 +244,35 @@ def test_penalty_token_table_is_rebuilt_after_preemption():
     """Penalties and suppression read per-request token tables on the device, counted by the
     steps themselves. Under forced preemption (rows dropped and re-admitted) every table row
     equals the one built from the request's host tokens after every step, rows are rebuilt
-    at re-admission, and penalized greedy outputs equal those of a roomy engine that never
-    preempts. Same shapes as the tiny-budget test above (compiled programs are shared)."""
+    at re-admission, and penalized greedy outputs equal those of a run that never
+    preempts (the same engine running each request alone). Same shapes as the tiny-budget
+    test above (compiled programs are shared)."""
     base, _ = _prompts()
     params = [SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.5, frequency_penalty=0.5,
                              ignore_eos=True),
               SamplingParams(max_new_tokens=12, temperature=0, presence_penalty=1.2, min_new_tokens=10,
                              stop_token_ids=[1, 2, 3]),
               SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=0.5, ignore_eos=True)]
-    outs = {}
-    for name, kw in [("tiny", dict(max_num_seqs=2, max_num_batched_tokens=24, chunk_size=8, page_size=8,
-                                   max_model_len=64, num_pages=9, page_buckets=[4], warmup=False)),
-                     ("roomy", dict(max_num_seqs=2, max_num_batched_tokens=24, chunk_size=8, page_size=8,
-                                    max_model_len=64, page_buckets=[4], warmup=False))]:
-        eng = Engine(load_case(CASE), **kw)
-        rids = [eng.add_request(p, sp) for p, sp in zip(base, params)]
+    eng = Engine(load_case(CASE), max_num_seqs=2, max_num_batched_tokens=24, chunk_size=8, page_size=8,
+                 max_model_len=64, num_pages=9, page_buckets=[4], warmup=False)
+
+    def run(batch):
+        rids = [eng.add_request(p, sp) for p, sp in batch]
         done = {}
         while eng.has_unfinished():
             for o in eng.step():
                 if o.finished:
                     done[o.rid] = o
             eng.runner.check_table(eng.requests)
-        outs[name] = [done[r].token_ids for r in rids]
-        if name == "tiny":
-            assert eng.stats()["num_preemptions"] > 0
-            assert eng.runner.table_inits > len(rids)  # rebuilt at re-admission
-        else:
-            assert eng.stats()["num_preemptions"] == 0
-        assert not eng.runner._table_row and len(eng.runner._table_free) == 2
-        _assert_all_free(eng)
+        return [done[r].token_ids for r in rids]
+
+    outs = {"tiny": run(list(zip(base, params)))}
+    assert eng.stats()["num_preemptions"] > 0
+    assert eng.runner.table_inits > len(base)  # rebuilt at re-admission
+    pre = eng.stats()["num_preemptions"]
+    outs["roomy"] = [run([(p, sp)])[0] for p, sp in zip(base, params)]  # one at a time: never preempted
+    assert eng.stats()["num_preemptions"] == pre
+    assert not eng.runner._table_row and len(eng.runner._table_free) == 2
+    _assert_all_free(eng)
     assert outs["tiny"] == outs["roomy"]
     assert all(len(o) >= 10 for o in outs["tiny"])
