@@ -7,7 +7,8 @@ Subcommands:
   serve      serve a checkpoint over gRPC (SGLang scheduler protocol, health, reflection)
   bench      ``bench --server HOST:PORT --trace T.jsonl``: replay a Mooncake trace over gRPC
              (server/client/replay.py); ``bench offline``: engine throughput at several
-             concurrencies; ``bench prefix``: the agentic trace with prefix caching on and off
+             concurrencies; ``bench prefix``: the agentic trace with prefix caching on and off;
+             ``bench host``: host time per decode step at several context lengths
 
 Compiled programs are cached on disk (``$K3SERVE_CACHE/jax``, default
 ``~/.cache/k3serve/jax``) so a second start skips XLA compilation.
@@ -160,6 +161,10 @@ def cmd_bench(args) -> int:
         from .bench import loop_latency
 
         return loop_latency.main(rest[1:])
+    if rest and rest[0] == "host":
+        from .bench import host as bench_host
+
+        return bench_host.main(rest[1:])
     from .client.replay import bench_main
 
     return bench_main(rest)
@@ -315,6 +320,7 @@ BENCH_USAGE = """usage: k3serve bench --server HOST:PORT --trace T.jsonl [--conc
        k3serve bench offline [--model DIR|demo] [--concurrency 1,8,32] [--modes async,sync] ...
        k3serve bench prefix [--model DIR|demo] [--sessions 8] [--max-num-seqs 4] ...
        k3serve bench loop [--model DIR] [--streams 8] [--probes 20]   (submit/abort latency in steps)
+       k3serve bench host [--model DIR|demo] [--contexts 1024,16384] [--rows 4] [--penalties] [--stop] ...
 (each accepts --help for its flags)"""
 
 

@@ -221,3 +221,91 @@ def test_recipe_leaves_the_callers_model_alone():
     eng = Engine(m, max_num_seqs=2, max_num_batched_tokens=40, chunk_size=16, page_size=16, max_model_len=64,
                  recipe="single", devices=jax.devices()[:1], warmup=False)
     assert m.params is params and eng.model is not m
+
+
+@pytest.fixture(scope="module")
+def demo_tok(tmp_path_factory):
+    from k3serve.server.text.demo_tokenizer import write_demo_tokenizer
+    from k3serve.server.text.tokenizer import load_tokenizer
+
+    d = tmp_path_factory.mktemp("demo_tok")
+    write_demo_tokenizer(d)
+    return load_tokenizer(d)
+
+
+def test_stop_strings_through_the_incremental_detokenizer(engine_a, demo_tok):
+    """Stop strings, matched on the incremental detokenizer's tail (no whole-output decode):
+    the request stops at the token that completes the string, keeps that token (SGLang keeps
+    it in ``output_ids``; trimming the text is the detokenizing side's job), reports the string
+    in ``matched_stop``, and async == sync. A string spanning three tokens is found although
+    each step decodes only its own token; one wholly inside the first ``min_new_tokens``
+    tokens is not a stop."""
+    eng = engine_a
+    base, expect = _prompts()
+    ids = expect[1]
+    d = demo_tok.detokenizer()
+    pieces = [d.add([t]) for t in ids]
+    ends = np.cumsum([len(p) for p in pieces])  # text length after each token
+    # a stop string from the last char of token j-2's text through the first char of token j's
+    j = next(j for j in range(3, len(ids)) if all(pieces[j - k] for k in range(3)) and
+             "".join(pieces[:j]).find(pieces[j - 2][-1] + pieces[j - 1] + pieces[j][0]) < 0)
+    full = "".join(pieces)
+    stop = full[ends[j - 2] - 1: ends[j - 1] + 1]
+    k = next(k for k in range(1, len(ids) + 1) if stop in full[:ends[k - 1]])
+    assert k == j + 1 and len(stop) >= 3
+    early = pieces[0]  # the first token's text: before min_new_tokens, so not a stop
+    eng.detokenizer = demo_tok.detokenizer
+    try:
+        for mode in (True, False):
+            eng.async_scheduling = mode
+            p = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, stop=["\x00nope", stop])
+            out = _run(eng, [base[1]], p)[0]
+            assert out.token_ids == ids[:k] and out.finish_reason == "stop" and out.matched_stop == stop, mode
+            assert out.completion_tokens == k
+            if early and "".join(pieces[:k + 2]).find(early, 1) < 0:
+                p = SamplingParams(max_new_tokens=k + 2, temperature=0, ignore_eos=True, stop=[early],
+                                   min_new_tokens=2)
+                out = _run(eng, [base[1]], p)[0]
+                assert out.token_ids == ids[:k + 2] and out.finish_reason == "length", mode
+    finally:
+        eng.detokenizer = None
+        eng.async_scheduling = True
+    assert_all_free(eng)
+
+
+def test_penalty_token_table_is_rebuilt_after_preemption():
+    """Penalties and suppression read per-request token tables on the device, counted by the
+    steps themselves. Under forced preemption (rows dropped and re-admitted) every table row
+    equals the one built from the request's host tokens after every step, rows are rebuilt
+    at re-admission, and penalized greedy outputs equal those of a run that never
+    preempts (the same engine running each request alone). Same shapes as the tiny-budget
+    test above (compiled programs are shared)."""
+    base, _ = _prompts()
+    params = [SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.5, frequency_penalty=0.5,
+                             ignore_eos=True),
+              SamplingParams(max_new_tokens=12, temperature=0, presence_penalty=1.2, min_new_tokens=10,
+                             stop_token_ids=[1, 2, 3]),
+              SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=0.5, ignore_eos=True)]
+    eng = Engine(load_case(CASE), max_num_seqs=2, max_num_batched_tokens=24, chunk_size=8, page_size=8,
+                 max_model_len=64, num_pages=9, page_buckets=[4], warmup=False)
+
+    def run(batch):
+        rids = [eng.add_request(p, sp) for p, sp in batch]
+        done = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    done[o.rid] = o
+            eng.runner.check_table(eng.requests)
+        return [done[r].token_ids for r in rids]
+
+    outs = {"tiny": run(list(zip(base, params)))}
+    assert eng.stats()["num_preemptions"] > 0
+    assert eng.runner.table_inits > len(base)  # rebuilt at re-admission
+    pre = eng.stats()["num_preemptions"]
+    outs["roomy"] = [run([(p, sp)])[0] for p, sp in zip(base, params)]  # one at a time: never preempted
+    assert eng.stats()["num_preemptions"] == pre
+    assert not eng.runner._table_row and len(eng.runner._table_free) == 2
+    assert_all_free(eng)
+    assert outs["tiny"] == outs["roomy"]
+    assert all(len(o) >= 10 for o in outs["tiny"])

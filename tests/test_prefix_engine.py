@@ -153,3 +153,35 @@ def test_eviction_under_pressure_and_preemption(engines):
     assert st["snapshots_evicted"] > ev and st["num_preemptions"] > pre, st
     assert_all_free(on)
     assert_all_free(off)
+
+
+def test_penalties_read_the_same_token_tables_on_prefix_hits(engines):
+    """A request served from the prefix cache skips computing its prefix but not its penalty
+    state: its token-table row is built from its own tokens, so penalized outputs (and
+    logprobs) equal those of the engine without caching, and every row matches the host's
+    tokens after every step."""
+    on, off = engines
+    rng = random.Random(5)
+    shared = _toks(rng, 40)
+    pen = SamplingParams(max_new_tokens=6, temperature=0, repetition_penalty=1.6, frequency_penalty=0.8,
+                         presence_penalty=-0.4, ignore_eos=True, logprobs=5)
+    prompts = [shared + _toks(rng, 2), shared + _toks(rng, 9), shared + _toks(rng, 5)]  # hits at 40
+    got = {}
+    for eng in (on, off):
+        outs = []
+        for batch in ([prompts[0]], prompts[1:]):  # the first turn fills the cache
+            rids = [eng.add_request(p, pen) for p in batch]
+            done = {}
+            while eng.has_unfinished():
+                for o in eng.step():
+                    if o.finished:
+                        done[o.rid] = o
+                eng.runner.check_table(eng.requests)
+            outs += [done[r] for r in rids]
+        got[eng is on] = outs
+    assert [o.token_ids for o in got[True]] == [o.token_ids for o in got[False]]
+    assert all(o.cached_tokens > 0 for o in got[True][1:])
+    a = np.array([[lp for lp, _ in o.logprobs] for o in got[True]])
+    b = np.array([[lp for lp, _ in o.logprobs] for o in got[False]])
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+    on.check_invariants()

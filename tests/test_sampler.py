@@ -8,17 +8,22 @@ PRNG stream would pass too.
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from k3serve.server.engine.sampler import (
+    COUNT_MASK,
+    PROMPT_BIT,
+    SUPPRESS_BIT,
     SampleOutput,
     SamplerInputs,
     apply_penalties,
-    bucket_len,
     build_sampler_inputs,
+    record_tokens,
     sample,
     seed_to_u32,
+    token_table_row,
 )
 from k3serve.server.engine.sampling_params import SamplingParams as SP
 
@@ -46,6 +51,7 @@ def _run(logits, params, *, steps=None, prompts=None, outputs=None, suppress=Non
         outputs if outputs is not None else [[]] * n,
         suppress,
         pad_rows_to=pad_rows_to,
+        vocab_size=logits.shape[1],
     )
     return sample(logits, inp, num_logprobs), inp
 
@@ -141,9 +147,70 @@ def test_penalties_match_numpy():
     for i in range(4):
         assert not np.allclose(np.where(fin[i], got[i], 0), np.where(fin[i], logits[i], 0))
     np.testing.assert_array_equal(np.asarray(out.tokens)[:5], want.argmax(1))
-    # the inputs fed to the device leave out histories no setting reads
-    assert not (np.asarray(inp.prompt_ids)[2] >= 0).any()  # no repetition penalty
-    assert not (np.asarray(inp.output_ids)[4] >= 0).any()  # no penalty at all
+    # the device sees no histories, only each row's token table (counts, prompt, suppress bits)
+    table = np.asarray(inp.table)
+    assert table.shape == (B, V)
+    np.testing.assert_array_equal(table[1] & COUNT_MASK, np.bincount(outputs[1], minlength=V))
+    assert {int(i) for i in np.flatnonzero(table[2] & PROMPT_BIT)} == {5, 6, 7}
+    assert {int(i) for i in np.flatnonzero(table[4] & SUPPRESS_BIT)} == {7, 8}
+
+
+def test_counts_recorded_by_steps_equal_the_table_from_histories():
+    """The engine's path: a request's row is built once from its tokens, then each sampled
+    token is counted in by the step (``record_tokens``); the penalties it gives equal those
+    from the full histories (the numpy reference), whatever row of the table it sits in."""
+    rng = np.random.default_rng(3)
+    params = [SP(temperature=0, repetition_penalty=1.3, frequency_penalty=0.4),
+              SP(temperature=0, presence_penalty=1.1, min_new_tokens=4),
+              SP(temperature=0)]  # holds no row: reads row 0, records nothing
+    prompts = [[1, 2, 3, 9], [4, 4, 5], [6]]
+    first = [[9], [], [7]]  # output known when the row was built (e.g. at re-admission)
+    suppress = [[], [5, 63], []]
+    rows = np.array([5, 2, 0] + [0] * (B - 3), np.int32)  # table rows of batch rows 0, 1, 2
+    table = np.zeros((6, V), np.int32)
+    for i in range(2):
+        table[rows[i]] = token_table_row(prompts[i], first[i], suppress[i], V)
+    table = np.asarray(table)
+    outputs = [list(o) for o in first]
+    for _ in range(6):
+        toks = rng.integers(0, V, B).astype(np.int32)
+        mask = np.array([True, True, False] + [False] * (B - 3))
+        table = np.asarray(record_tokens(jnp.asarray(table), rows, toks, mask))
+        for i in range(2):
+            outputs[i].append(int(toks[i]))
+    assert (table[0] == 0).all() and (table[[1, 3, 4]] == 0).all()
+    for i in range(2):
+        np.testing.assert_array_equal(table[rows[i]], token_table_row(prompts[i], outputs[i], suppress[i], V))
+    logits = rng.normal(size=(B, V)).astype(np.float32) * 3
+    n = len(params)
+    inc = build_sampler_inputs(params + [SP(temperature=0)] * (B - n), None, [7] * B, [[]] * B, [[]] * B,
+                               [[]] * B, vocab_size=V)
+    inc.table, inc.table_rows = table, rows
+    inc.suppress = np.array([False, True] + [False] * (B - 2))
+    got = np.asarray(apply_penalties(logits, inc))[:n]
+    want = _np_penalize(logits[:n], params, prompts, outputs, [[], [5, 63], []])
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-6, atol=1e-6)
+    hist, _ = _run(logits[:n], params, steps=[7] * n, prompts=prompts, outputs=outputs,
+                   suppress=[[], [5, 63], []], pad_rows_to=B)
+    np.testing.assert_array_equal(np.asarray(sample(logits, inc).tokens)[:n], np.asarray(hist.tokens)[:n])
+
+
+def test_unused_penalties_are_skipped_without_changing_any_bit():
+    """A batch where no row uses a penalty or suppression skips them (``lax.cond``); a neutral
+    row gets the same token and logprob alone as beside a penalized row (which runs them)."""
+    logits = np.random.default_rng(4).normal(size=(2, V)).astype(np.float32) * 2
+    plain = SP(temperature=0.9, seed=4, logprobs=3)
+    inp = build_sampler_inputs([plain, plain], None, [0, 0], [[]] * 2, [[]] * 2, vocab_size=V)
+    np.testing.assert_array_equal(np.asarray(apply_penalties(logits, inp)), logits)  # neutral: identity
+    for seed in range(6):
+        p = SP(temperature=0.9, seed=seed)
+        alone, _ = _run(logits[:1], [p], steps=[seed], num_logprobs=5)
+        mixed, _ = _run(logits, [p, SP(temperature=0, repetition_penalty=1.5)], steps=[seed, 0],
+                        prompts=[[], [1, 2]], num_logprobs=5, pad_rows_to=B)
+        assert int(alone.tokens[0]) == int(mixed.tokens[0])
+        assert float(alone.logprob[0]) == float(mixed.logprob[0])
 
 
 # ----------------------------------------------------------------------------- filters
@@ -246,7 +313,6 @@ def test_same_seed_and_step_give_same_token_whatever_the_batch(req):
                        steps=[r[2] for r in rows], prompts=[r[3] for r in rows],
                        outputs=[r[4] for r in rows], suppress=[r[5] for r in rows],
                        num_logprobs=5, pad_rows_to=B)
-        assert inp.prompt_ids.shape[1] == 64
         alone.append(int(o1.tokens[0]))
         together.append(int(o5.tokens[3]))
         assert float(o1.logprob[0]) == float(o5.logprob[3])
@@ -297,28 +363,30 @@ def test_logprobs_are_raw_log_softmax_and_sorted():
 # -------------------------------------------------------------------- host-side inputs
 
 
-def test_build_sampler_inputs_padding_and_buckets():
+def test_build_sampler_inputs_padding_and_table():
     params = [SP(temperature=0.5, top_k=-1, repetition_penalty=1.2, seed=2**40 + 3)]
-    inp = build_sampler_inputs(params, None, [4], [list(range(40))], [[1, 2]], [[0]],
-                               pad_rows_to=4)
-    assert inp.temperature.shape == (4,)
-    assert inp.prompt_ids.shape == (4, 64) and inp.output_ids.shape == (4, 8)
-    assert inp.suppress_ids.shape == (4, 8)
+    inp = build_sampler_inputs(params, None, [4], [list(range(40)) + [-1, 99]], [[1, 2, 2]], [[0]],
+                               pad_rows_to=4, vocab_size=V)
+    assert inp.temperature.shape == (4,) and inp.table.shape == (4, V)
     np.testing.assert_array_equal(np.asarray(inp.temperature), [0.5, 0, 0, 0])
     np.testing.assert_array_equal(np.asarray(inp.top_k), [0, 0, 0, 0])
     np.testing.assert_array_equal(np.asarray(inp.repetition_penalty), np.float32([1.2, 1, 1, 1]))
     np.testing.assert_array_equal(np.asarray(inp.top_p), [1, 1, 1, 1])
+    np.testing.assert_array_equal(np.asarray(inp.suppress), [True, False, False, False])
+    np.testing.assert_array_equal(np.asarray(inp.table_rows), [0, 1, 2, 3])
     assert int(inp.seed[0]) == seed_to_u32(2**40 + 3) != 3
-    assert (np.asarray(inp.prompt_ids)[1:] == -1).all()
-    assert [bucket_len(n) for n in (0, 1, 8, 9, 100)] == [8, 8, 8, 16, 128]
-    inp = build_sampler_inputs(params, [1], [0], [[1, 2]], [[]], None, pad_len_to=(3, 5, 1))
-    assert inp.prompt_ids.shape == (1, 3) and inp.output_ids.shape == (1, 5)
-    with pytest.raises(ValueError, match="prompt length 1 < 2"):
-        build_sampler_inputs(params, [1], [0], [[1, 2]], [[]], None, pad_len_to=1)
+    t = np.asarray(inp.table)
+    assert (t[1:] == 0).all()
+    # out-of-range ids (-1, 99 >= V) are ignored, as padding always was
+    want = np.zeros(V, np.int64)
+    want[:40] |= PROMPT_BIT
+    want[[1, 2]] += [1, 2]
+    want[0] |= SUPPRESS_BIT
+    np.testing.assert_array_equal(t[0], want)
     with pytest.raises(ValueError, match="no seed"):
-        build_sampler_inputs([SP()], None, [0], [[]], [[]])
+        build_sampler_inputs([SP()], None, [0], [[]], [[]], vocab_size=V)
     with pytest.raises(ValueError, match="pad_rows_to"):
-        build_sampler_inputs([SP(seed=1)] * 2, None, [0, 0], [[]] * 2, [[]] * 2, pad_rows_to=1)
+        build_sampler_inputs([SP(seed=1)] * 2, None, [0, 0], [[]] * 2, [[]] * 2, pad_rows_to=1, vocab_size=V)
 
 
 # -------------------------------------------------------------------- SamplingParams

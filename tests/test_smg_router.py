@@ -30,7 +30,7 @@ def stack(tmp_path_factory):
     ckpt = tiny_text_checkpoint(tmp_path_factory.mktemp("ckpt"))
     tok = load_tokenizer(ckpt)
     eng = Engine(load_pretrained(ckpt), max_num_seqs=2, max_num_batched_tokens=64, chunk_size=32, page_size=16,
-                 max_model_len=256, detokenize=tok.decode)
+                 max_model_len=256, detokenizer=tok.detokenizer)
     loop = EngineThread(eng)
     server = GrpcServer(Servicer(model_dir=ckpt, served_model_name="k3-tiny-text"), host="127.0.0.1", port=0)
     server.set_ready(loop)

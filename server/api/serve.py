@@ -108,14 +108,14 @@ def _start_engine(args, path, metrics):
 
         tok = load_tokenizer(path)
         if tok is not None:
-            detok = lambda ids: tok.decode(ids)
+            detok = lambda: tok.detokenizer(keep_text=False)  # stop strings: one per request
     except ImportError:
         pass
     kv = dict(kv_memory_bytes=int(args.kv_memory_gb * (1 << 30))) if args.kv_memory_gb else (
         dict(num_pages=args.num_pages) if args.num_pages else {})
     eng = Engine(m, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  chunk_size=args.chunk_size, page_size=args.page_size, max_model_len=args.max_model_len,
-                 detokenize=detok, async_scheduling=not args.sync, recipe=args.recipe,
+                 detokenizer=detok, async_scheduling=not args.sync, recipe=args.recipe,
                  **prefix_kwargs(args), **kv)
     loop = EngineThread(eng, on_output=metrics.observe_output)
     metrics.loop = loop

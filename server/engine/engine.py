@@ -7,7 +7,18 @@ appends sampled tokens, advances each request through the cache and finishes req
 ``ignore_eos``), ``max_model_len``, or abort. Finished and aborted requests return their
 pages and slot at once.
 
-Stop strings need a tokenizer; the engine matches them when one is given (``detokenize``).
+Stop strings need a tokenizer; the engine matches them when given ``detokenizer`` (a factory
+of incremental detokenizers, e.g. ``tokenizer.detokenizer``): each request's new tokens are
+decoded as they arrive, and a stop string is looked for only in the new text plus the last
+``max(len(stop)) - 1`` characters before it, from ``min_new_tokens`` on (a stop string
+wholly inside the first ``min_new_tokens`` tokens does not count). As in SGLang, the output
+ids keep the token that completed the stop string (and nothing after it); trimming the text
+is the detokenizing side's business.
+
+Per step, host work is proportional to the new tokens, not to the sequences: outputs carry
+deltas (the whole output only on the final one), prefix keys grow by the new tokens only,
+penalties read a device-resident token table (runner), and requests that owe a final output
+(aborted between steps) are kept in a list instead of being searched for.
 
 Async scheduling (the default): ``step()`` plans and launches step N+1 *before* it waits for
 the results of step N, so the host's planning, input packing and output handling overlap
@@ -22,7 +33,7 @@ from __future__ import annotations
 import copy
 import random
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -38,7 +49,7 @@ class Engine:
     def __init__(self, model, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
                  chunk_size: int = 64, page_size: int = 16, kv_memory_bytes: int | None = None,
                  num_pages: int | None = None, max_model_len: int = 2048, max_logprobs: int = 20,
-                 warmup: bool = True, detokenize: Callable[[list[int]], str] | None = None,
+                 warmup: bool = True, detokenizer: Callable[[], Any] | None = None,
                  compilation_cache_dir: str | None = None, async_scheduling: bool = True,
                  page_buckets=None, split_mixed_steps: bool = True, recipe=None, devices=None,
                  enable_prefix_caching: bool = True, prefix_unit: int | None = None, prefix_interval: int = 0,
@@ -69,7 +80,8 @@ class Engine:
             self.par = StepParallel(self.recipe, self.mesh)
         dp, dcp = (self.recipe.dp, self.recipe.dcp) if self.recipe is not None else (1, 1)
         self.max_model_len = max_model_len
-        self.detokenize = detokenize
+        self.detokenizer = detokenizer  # () -> object with .add(ids) -> new text
+        self.detokenize = detokenizer  # the API layer checks this name (stop strings need it)
         self.async_scheduling = async_scheduling
         self._inflight = None  # the launched step whose results are not processed yet
         if kv_memory_bytes is None and num_pages is None:
@@ -107,6 +119,7 @@ class Engine:
                              page_buckets=page_buckets, split_mixed=split_mixed_steps, par=self.par)
         self.requests: dict[str, Request] = {}
         self.broken: BaseException | None = None  # a step failed: the state is half-updated, no more steps
+        self._owed: dict[str, Request] = {}  # finished outside a step (abort): final output owed
         self.warmup_s = 0.0
         self.num_steps = 0
         self.num_preemptions = 0
@@ -187,8 +200,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
 
+    def has_owed_outputs(self) -> bool:
+        """Some request finished outside a step (abort) and the next step owes its final output."""
+        return bool(self._owed)
+
     def _finish(self, req: Request, reason: str, matched=None) -> None:
         self.scheduler.remove(req)
+        self.runner.release(req.rid)
+        self._owed[req.rid] = req
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.matched_stop = matched
@@ -214,10 +233,11 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         # requests aborted since the last step still owe their final output
-        touched: dict[str, Request] = {r.rid: r for r in self.requests.values()
-                                       if r.finished and r.emitted <= len(r.output)}
+        touched: dict[str, Request] = dict(self._owed)
         step_plan = self.scheduler.schedule()
         self.num_preemptions += len(step_plan.preempted)
+        for req in step_plan.preempted:
+            self.runner.release(req.rid)  # its token table row is rebuilt when it runs again
         launched = None
         self.cache_mgr.flush_copies()  # prefix hits: snapshot -> slot, shared tail page -> own copy
         if step_plan.rows:
@@ -247,16 +267,19 @@ class Engine:
                 self.prefix_cache.host.drain()  # finished offload copies: device arrays -> host memory
         outputs = []
         for req in touched.values():
-            new = req.output[req.emitted:]
-            if not new and not req.finished:
+            n, fin = len(req.output), req.finished
+            if n == req.emitted and not fin:
                 continue
-            lps = list(req.logprobs) if req.params.logprobs is not None else None
-            req.emitted = len(req.output) + (1 if req.finished else 0)
-            outputs.append(RequestOutput(req.rid, list(new), list(req.output), req.finished, req.finish_reason,
-                                         req.matched_stop, len(req.prompt), len(req.output), lps,
-                                         req.cached_tokens or 0))
-        for req in [r for r in self.requests.values() if r.finished and r.emitted > len(r.output)]:
-            del self.requests[req.rid]
+            lp = req.params.logprobs is not None
+            # the finished request leaves the engine, so its lists are handed over, not copied
+            outputs.append(RequestOutput(req.rid, req.output[req.emitted:], req.output if fin else None, fin,
+                                         req.finish_reason, req.matched_stop, len(req.prompt), n,
+                                         req.logprobs if fin and lp else None, req.cached_tokens or 0,
+                                         req.logprobs[req.emitted:] if lp else None))
+            req.emitted = n
+            if fin:
+                del self.requests[req.rid]
+                self._owed.pop(req.rid, None)
         return outputs
 
     def _process(self, done, touched: dict) -> None:
@@ -282,14 +305,21 @@ class Engine:
 
     def _check_stop(self, req: Request, tok: int) -> None:
         p = req.params
+        text = None
+        if p.stop and self.detokenizer is not None:  # every token goes through the detokenizer
+            st = req.stop_text
+            if st is None:
+                st = req.stop_text = [self.detokenizer(), ""]
+            text = st[1] + st[0].add([tok])  # the new text and the chars a stop could start in
+            keep = max(map(len, p.stop)) - 1
+            st[1] = text[-keep:] if keep else ""
         if len(req.output) >= p.min_new_tokens:
             eos = self.model.config.eos_token_id
             if tok in p.stop_token_ids or (eos is not None and tok == eos and not p.ignore_eos):
                 return self._finish(req, "stop", tok)
-            if p.stop and self.detokenize is not None:
-                text = self.detokenize(req.output)
+            if text:
                 for s in p.stop:
-                    if s and s in text:
+                    if s in text:
                         return self._finish(req, "stop", s)
         if len(req.output) >= p.max_new_tokens or req.num_known >= self.max_model_len:
             self._finish(req, "length")

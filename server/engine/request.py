@@ -82,6 +82,7 @@ class Request:
     boundaries: set = dataclasses.field(default_factory=set)  # extra snapshot boundaries (prefix cache)
     chain: object = None  # prefix keys over the known tokens (prefix.PrefixChain), grown lazily
     chain_len: int = 0  # tokens the chain has consumed
+    stop_text: object = None  # [incremental detokenizer, last max(len(stop)) - 1 chars] (stop strings)
 
     def __post_init__(self):
         if not self.rid:
@@ -89,7 +90,18 @@ class Request:
 
     @property
     def tokens(self) -> list[int]:
+        """``prompt + output`` as a new list: O(L), so not for per-step paths (use
+        :meth:`token_slice`)."""
         return self.prompt + self.output
+
+    def token_slice(self, a: int, b: int) -> list[int]:
+        """Tokens ``a:b`` of ``prompt + output`` without building the whole sequence: O(b - a)."""
+        P = len(self.prompt)
+        if b <= P:
+            return self.prompt[a:b]
+        if a >= P:
+            return self.output[a - P:b - P]
+        return self.prompt[a:] + self.output[:b - P]
 
     @property
     def num_tokens(self) -> int:
@@ -119,15 +131,18 @@ class Request:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """What the engine reports for a request after a step (``new_token_ids`` since last)."""
+    """What the engine reports for a request after a step: the tokens (and logprobs) new since
+    its last output, and on the final output (``finished``) the whole output as well. Per step
+    the cost is proportional to the new tokens, never to the sequence."""
 
     rid: str
     new_token_ids: list[int]
-    token_ids: list[int]
+    token_ids: list[int] | None  # every output token; only on the finished output (else None)
     finished: bool
     finish_reason: str | None
     matched_stop: int | str | None
     prompt_tokens: int
     completion_tokens: int
-    logprobs: list | None = None  # per output token so far: (logprob, [(id, logprob), ...])
+    logprobs: list | None = None  # finished output: per output token (logprob, [(id, logprob), ...])
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    new_logprobs: list | None = None  # the logprobs of ``new_token_ids`` (when logprobs were asked)

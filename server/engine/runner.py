@@ -4,9 +4,19 @@ Shapes are padded to a few buckets so nothing compiles after warm-up: rows to a 
 two up to ``max_num_seqs``; tokens per row to 1 (decode-only steps) or ``chunk_size`` (any
 step with a prefill chunk); page-table width (pages per sequence, which sets how much KV
 the attention reads) to a few widths growing 4x up to ``ceil(max_model_len / page_size)``
-(``page_buckets``), so short sequences do not pay for the longest one; penalty histories
-fixed at ``max_model_len``. Padding rows carry no tokens and point at the
-scratch KDA slot, so they change nothing. The cache is donated to each call.
+(``page_buckets``), so short sequences do not pay for the longest one. Padding rows carry no
+tokens and point at the scratch KDA slot, so they change nothing. The cache is donated to each
+call.
+
+One host->device transfer per call: a step's int32 metadata (input tokens, positions,
+lengths, slots, page table, sampler settings; float settings bit-cast) is packed into one
+``i32[B, T + P + 16]`` array (:meth:`Runner._meta`) and unpacked inside the jitted step.
+
+Penalties and suppression read the *token table* (``sampler.token_table_row``): one device
+row per running request that uses them, built on the host when the request (re)starts
+running — after a preemption it is rebuilt from the request's tokens — and updated by the
+step itself with each sampled token, so nothing that grows with the sequence crosses to the
+device per step. The table is donated to each call like the cache.
 
 Attention DP (a recipe with ``dp > 1``): the rows of a step are laid out by DP group — group
 g's rows in block g of ``B = dp * Bg`` rows (``Bg`` the group row bucket), its padding rows on
@@ -20,12 +30,13 @@ group's rows may name only that group's slots and pages. ``par`` (the recipe's
 until ``InFlight.result()`` fetches them, so the engine can plan and launch step N+1 before
 it waits for step N. A decode row whose input token was sampled by the previous step (and is
 not on the host yet) names that step's row in ``from_prev``; the jitted step reads the
-token from the previous step's device output, and also patches it into the row's penalty
-history, so the host never waits for it.
+token from the previous step's device output (the previous step already counted it into
+the token table), so the host never waits for it.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 
@@ -34,8 +45,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ...model.cache import make_batch
-from .sampler import build_sampler_inputs, sample
+from ...model.cache import StepBatch
+from .sampler import SamplerInputs, record_tokens, row_settings, sample, token_table_row, uses_penalties
+
+_NUM_META = 16  # per-row scalars after the tokens and the page table (see Runner._meta)
+_SUPPRESS, _RECORD = 1, 2  # per-row flag bits
 
 
 def default_page_buckets(width: int, minimum: int = 4) -> list[int]:
@@ -119,7 +133,6 @@ class Runner:
             pb.append(self.page_width)
         self.page_buckets = pb
         self.shapes_used: set[tuple[int, int, int]] = set()  # (rows, tokens, pages) launched
-        self.hist_len = max_model_len
         self.max_logprobs = max_logprobs
         self.max_rows = self.row_buckets[-1]
         self.split_mixed = split_mixed
@@ -130,29 +143,50 @@ class Runner:
         self.wait_s = 0.0  # host time blocked waiting for step results
         self.num_steps = 0
         self._zero_prev = jnp.zeros(self.max_rows, jnp.int32)
+        self.vocab_size = V = model.config.vocab_size
+        # token table: row 0 for rows that use none, then one per running request that does
+        self.table = jnp.zeros((max_num_seqs + 1, V), jnp.int32)
+        keep = {}  # on a mesh the table stays replicated, call after call
+        if par is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            keep = {"out_shardings": NamedSharding(par.mesh, PartitionSpec())}
+            self.table = jax.device_put(self.table, keep["out_shardings"])
+        self._table_row: dict[str, int] = {}
+        self._table_free = list(range(max_num_seqs, 0, -1))
+        self._set_row = jax.jit(lambda table, i, row: table.at[i].set(row), donate_argnums=(0,), **keep)
+        self.table_inits = 0  # rows built on the host (admissions and re-admissions that need one)
+        self._fns: dict = {}  # (T, P) -> jitted step
         graphdef = model.graphdef
         M = self.max_rows
 
-        def fn(params, cache, batch, last_idx, sinp, prev_a, prev_b, from_prev, pend_pos):
+        def fn(params, cache, table, meta, prev_a, prev_b, *, T, P):
             self.num_compiles += 1  # Python side effect: runs only while tracing
+            B = meta.shape[0]
+            col = lambda k: meta[:, T + P + k]  # noqa: E731
+            start, lens, slots, last, from_prev, trow, top_k, seed, step, flags = (col(k) for k in range(10))
+            fl = jax.lax.bitcast_convert_type(meta[:, T + P + 10: T + P + 16], jnp.float32)
             prev_tokens = jnp.concatenate([prev_a, prev_b])
             has_prev = from_prev >= 0
             prev = prev_tokens[jnp.maximum(from_prev, 0)]
-            ids = batch.input_ids.at[:, 0].set(jnp.where(has_prev, prev, batch.input_ids[:, 0]))
-            batch = dataclasses.replace(batch, input_ids=ids)
-            lo = sinp.output_ids.shape[1]
-            hit = has_prev[:, None] & (jnp.arange(lo)[None, :] == pend_pos[:, None])
-            sinp = dataclasses.replace(sinp, output_ids=jnp.where(hit, prev[:, None], sinp.output_ids))
+            ids = meta[:, :T].at[:, 0].set(jnp.where(has_prev, prev, meta[:, 0]))
+            batch = StepBatch(ids, start, lens, slots, meta[:, T:T + P])
             logits, cache = nnx.merge(graphdef, params)(batch, cache, par=par)
             if par is not None:  # the cache goes out in the layout it came in (warm-up's AOT programs fix it)
                 cache = par.pin_cache(cache)
-            rows = logits[jnp.arange(logits.shape[0]), last_idx]
+            rows = logits[jnp.arange(B), last]
+            sinp = SamplerInputs(temperature=fl[:, 0], top_k=top_k, top_p=fl[:, 1], min_p=fl[:, 2],
+                                 repetition_penalty=fl[:, 3], frequency_penalty=fl[:, 4], presence_penalty=fl[:, 5],
+                                 seed=jax.lax.bitcast_convert_type(seed, jnp.uint32), step=step,
+                                 suppress=(flags & _SUPPRESS) != 0, table_rows=trow, table=table)
             out = sample(rows, sinp, max_logprobs)
-            B = out.tokens.shape[0]
+            table = record_tokens(table, trow, out.tokens, (flags & _RECORD) != 0)
+            if keep:
+                table = jax.lax.with_sharding_constraint(table, keep["out_shardings"])
             full = out.tokens if B == M else jnp.zeros(M, jnp.int32).at[:B].set(out.tokens)
-            return out, full, cache
+            return out, full, cache, table
 
-        self._fn = jax.jit(fn, donate_argnums=(1,))
+        self._step_fn = fn
 
     def _bucket(self, n: int, buckets: list[int]) -> int:
         for b in buckets:
@@ -216,14 +250,11 @@ class Runner:
         need = max(-(-(r.start + r.num_tokens) // self.page_size) for r in rows)
         P = self._bucket(max(need, self._min_pages(T)), self.page_buckets)  # a shape warm-up compiled
         self.shapes_used.add((B, T, P))
-        tok = np.zeros((B, T), np.int32)
-        start = np.zeros(B, np.int32)
-        lens = np.zeros(B, np.int32)
-        slots = self._scratch_slots(B)
-        table = np.zeros((B, P), np.int32)
-        last = np.zeros(B, np.int32)
-        from_prev = np.full(B, -1, np.int32)
-        pend_pos = np.zeros(B, np.int32)
+        meta, tok, table, col, fl = self._meta(B, T, P)
+        start, lens, slots, last, from_prev, trow, top_k, seed, step, flags = col[:10]
+        f, k_, s_ = row_settings([r.req.params for r in rows], [r.req.seed for r in rows], len(rows))
+        fl[at] = f.T
+        top_k[at], seed[at] = k_, s_.view(np.int32)
         for k, r in enumerate(rows):
             i = at[k]
             req = r.req
@@ -233,42 +264,90 @@ class Runner:
                         or req.sample_row[0] != prev.step):
                     raise RuntimeError(f"{req.rid}: input token {r.start} is not available from the previous step")
                 from_prev[i] = req.sample_row[1]
-                pend_pos[i] = len(req.output)
             else:
-                tok[i, : r.num_tokens] = req.tokens[r.start : r.start + r.num_tokens]
+                tok[i, : r.num_tokens] = req.token_slice(r.start, r.start + r.num_tokens)
             start[i], lens[i], last[i] = r.start, r.num_tokens, r.num_tokens - 1
             slots[i] = self.cache_mgr.slot_of(req.rid)
             table[i] = self.cache_mgr.page_table_row(req.rid, self.page_width)[:P]
-        batch = make_batch(tok, start, lens, slots, table)
-        # sampler rows in batch order; padding rows get no request
-        by_pos: list = [None] * B
-        for k, r in enumerate(rows):
-            by_pos[at[k]] = r.req
-        reqs = by_pos if self.dp > 1 else [r.req for r in rows]
-        sinp = build_sampler_inputs(*self._sampler_lists(reqs), pad_rows_to=B, pad_len_to=self.hist_len)
-        fn = self._compiled.get((B, T, P), self._fn)
-        out, full, self.cache_mgr.device_cache = fn(self.model.params, self.cache_mgr.device_cache, batch, jnp.asarray(last),
-                                                   sinp, *prev_pair, jnp.asarray(from_prev), jnp.asarray(pend_pos))
+            step[i] = req.num_generated
+            p = req.params
+            sup = bool(req.num_generated < p.min_new_tokens and self._suppress_ids(p))
+            row = self._table_row.get(req.rid)
+            if row is None and (sup or uses_penalties(p)):
+                row = self._init_row(req)
+            if row is not None:  # once a request has a row, every token it samples is counted
+                trow[i] = row
+                flags[i] = (_SUPPRESS if sup else 0) | (_RECORD if getattr(r, "samples", True) else 0)
+        fn = self._compiled.get((B, T, P)) or self._jit(T, P)
+        out, full, self.cache_mgr.device_cache, self.table = fn(
+            self.model.params, self.cache_mgr.device_cache, self.table, jax.device_put(meta), *prev_pair)
         return out, full, at
 
-    def _sampler_lists(self, reqs) -> tuple:
-        """build_sampler_inputs' per-row lists; a None entry (padding row) samples greedily."""
-        from .sampling_params import SamplingParams
+    def _meta(self, B: int, T: int, P: int):
+        """A padded call's packed metadata ``i32[B, T + P + 16]`` and writable views of it:
+        input tokens ``[B, T]``, page table ``[B, P]``, the 10 int columns (start, lens, slot,
+        last, from_prev, table row, top_k, seed (u32 bits), step, flags) and the 6 float
+        columns ``[B, 6]`` (temperature, top_p, min_p, repetition, frequency, presence; f32
+        bits). Padding rows: no tokens, the scratch slot of their DP group, neutral greedy."""
+        meta = np.zeros((B, T + P + _NUM_META), np.int32)
+        col = meta[:, T + P:].T
+        col[2] = self._scratch_slots(B)
+        col[4] = -1  # from_prev: none
+        fl = meta[:, T + P + 10:].view(np.float32)
+        fl[:, 1] = fl[:, 3] = 1.0  # top_p, repetition_penalty
+        return meta, meta[:, :T], meta[:, T:T + P], col, fl
 
-        pad = SamplingParams(temperature=0.0)
-        return ([q.params if q else pad for q in reqs], [q.seed if q else 0 for q in reqs],
-                [q.num_generated if q else 0 for q in reqs], [q.prompt if q else [] for q in reqs],
-                [q.output if q else [] for q in reqs], [self._suppress(q) if q else [] for q in reqs])
+    def _jit(self, T: int, P: int):
+        f = self._fns.get((T, P))
+        if f is None:
+            f = self._fns[(T, P)] = jax.jit(functools.partial(self._step_fn, T=T, P=P), donate_argnums=(1, 2))
+        return f
 
-    def _suppress(self, req) -> list[int]:
-        p = req.params
-        if req.num_generated >= p.min_new_tokens:
+    def _suppress_ids(self, p) -> list[int]:
+        """Ids a request may not sample before ``min_new_tokens``: its stop ids and eos."""
+        if p.min_new_tokens <= 0:
             return []
         ids = list(p.stop_token_ids)
         eos = self.model.config.eos_token_id
         if eos is not None and not p.ignore_eos:
             ids.append(eos)
         return ids
+
+    def _init_row(self, req) -> int:
+        """Give ``req`` a token-table row built from its tokens (O(L), once per admission)."""
+        if req.pending:
+            raise RuntimeError(f"{req.rid}: token table row built with {req.pending} tokens in flight")
+        if not self._table_free:
+            raise RuntimeError("token table full (more running requests than max_num_seqs)")
+        i = self._table_free.pop()
+        row = token_table_row(req.prompt, req.output, self._suppress_ids(req.params), self.vocab_size)
+        self.table = self._set_row(self.table, np.int32(i), row)
+        self._table_row[req.rid] = i
+        self.table_inits += 1
+        return i
+
+    def release(self, rid) -> None:
+        """``rid`` stopped running (finished or preempted): free its token-table row. A step
+        still in flight may count one more token into the row; the next owner's row is
+        written after it (device order), so that is harmless."""
+        i = self._table_row.pop(rid, None)
+        if i is not None:
+            self._table_free.append(i)
+
+    def check_table(self, requests) -> None:
+        """The device token table equals the one built from the host's histories, for every
+        request holding a row whose sampled tokens are all on the host (tests)."""
+        rows = set(self._table_row.values())
+        assert len(rows) == len(self._table_row) and not rows & set(self._table_free) and 0 not in rows
+        assert len(rows) + len(self._table_free) == self.table.shape[0] - 1
+        got = np.asarray(jax.device_get(self.table))
+        for rid, i in self._table_row.items():
+            req = requests[rid]
+            if req.pending:
+                continue
+            want = token_table_row(req.prompt, req.output, self._suppress_ids(req.params), self.vocab_size)
+            bad = np.flatnonzero(got[i] != want)
+            assert not bad.size, f"{rid}: token table row {i} differs at ids {bad[:8].tolist()}"
 
     def shape_buckets(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens, pages) shape a step can take (a chunk must fit its pages)."""
@@ -279,11 +358,7 @@ class Runner:
         return min(-(-T // self.page_size), self.page_width)
 
     def _padding_args(self, B: int, T: int, P: int) -> tuple:
-        batch = make_batch(np.zeros((B, T), np.int32), np.zeros(B), np.zeros(B), self._scratch_slots(B),
-                           np.zeros((B, P)))
-        sinp = build_sampler_inputs([], [], [], [], [], [], pad_rows_to=B, pad_len_to=self.hist_len)
-        z = jnp.zeros(B, jnp.int32)
-        return batch, z, sinp, self._zero_prev, self._zero_prev, z - 1, z
+        return self.table, jnp.asarray(self._meta(B, T, P)[0]), self._zero_prev, self._zero_prev
 
     def warmup(self, workers: int | None = None) -> int:
         """Compile every shape bucket ahead of time, ``workers`` programs at once; returns
@@ -303,7 +378,7 @@ class Runner:
 
         def one(shape):
             args = self._padding_args(*shape)
-            return shape, self._fn.lower(self.model.params, self.cache_mgr.device_cache, *args).compile()
+            return shape, self._jit(*shape[1:]).lower(self.model.params, self.cache_mgr.device_cache, *args).compile()
 
         with cf.ThreadPoolExecutor(workers, thread_name_prefix="k3-compile") as ex:
             for shape, exe in ex.map(one, shapes):
@@ -311,6 +386,7 @@ class Runner:
         # run each program once (first-run allocations), with the cache flowing through
         for shape in shapes:
             args = self._padding_args(*shape)
-            out, _, self.cache_mgr.device_cache = self._compiled[shape](self.model.params, self.cache_mgr.device_cache, *args)
+            out, _, self.cache_mgr.device_cache, self.table = self._compiled[shape](
+                self.model.params, self.cache_mgr.device_cache, *args)
             jax.block_until_ready(out)
         return self.num_compiles - before

@@ -5,8 +5,14 @@ Why it looks like this:
 * **Per-row settings as arrays.** Every row of a decode batch may belong to a different
   request with different settings. Passing them as ``f32[B]`` / ``i32[B]`` arrays (in
   :class:`SamplerInputs`) instead of Python constants means one compiled program serves
-  any mix of requests; only the shapes (rows, id-list lengths, ``num_logprobs``) select a
-  program, and :func:`build_sampler_inputs` pads those to a few buckets.
+  any mix of requests; only the shapes (rows, vocabulary, ``num_logprobs``) select a
+  program.
+
+* **No token histories per step.** Penalties and suppression read a per-request *token
+  table* row (``i32[V]``: output counts, a prompt bit, a suppress bit), kept on the device
+  and updated by the step with each sampled token (:func:`record_tokens`), so the host
+  ships nothing that grows with the sequence. A batch where no row uses a penalty or
+  suppression skips them (``lax.cond``): a neutral row's logits come out unchanged anyway.
 
 * **Batch-independent randomness.** A row's key is ``fold_in(key(seed), step)`` where
   ``step`` counts the tokens that request has generated so far, and the noise is drawn per
@@ -43,7 +49,7 @@ lowest id) and never touch the random stream.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 
 import jax
@@ -52,8 +58,17 @@ import numpy as np
 
 from .sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
-_MIN_BUCKET = 8
 _PRNG_IMPL = "threefry2x32"  # fixed, so draws do not change with jax's default PRNG config
+
+
+# A request's token table row (``i32[V]``): how often each id occurs in its output (the low
+# bits), whether it occurs in its prompt, and whether it is one of the ids suppressed while
+# ``min_new_tokens`` is not reached (stop ids and eos). Penalties and suppression read only
+# this row, so no token history ever travels to the device: the engine builds a row once when
+# a request (re)starts running and the jitted step adds each sampled token to it.
+COUNT_MASK = (1 << 29) - 1
+PROMPT_BIT = 1 << 29
+SUPPRESS_BIT = 1 << 30
 
 
 @jax.tree_util.register_dataclass
@@ -61,8 +76,11 @@ _PRNG_IMPL = "threefry2x32"  # fixed, so draws do not change with jax's default 
 class SamplerInputs:
     """Per-row sampling state for a padded batch of ``B`` rows (device arrays).
 
-    ``prompt_ids`` / ``output_ids`` / ``suppress_ids`` are padded with -1 (any id outside
-    ``[0, V)`` is ignored). ``top_k`` <= 0 means off.
+    ``table`` holds token-table rows (see ``COUNT_MASK``; the engine's table has one row per
+    running request that uses penalties or suppression, row 0 unused); ``table_rows[i]`` is
+    row ``i``'s. Only penalized or suppressing rows read it, and a batch where no row does
+    skips it. ``suppress[i]``: row ``i``'s ``SUPPRESS_BIT`` ids get ``-inf`` this step.
+    ``top_k`` <= 0 means off.
     """
 
     temperature: jax.Array  # f32[B]
@@ -74,9 +92,9 @@ class SamplerInputs:
     presence_penalty: jax.Array  # f32[B]
     seed: jax.Array  # u32[B]
     step: jax.Array  # i32[B]
-    prompt_ids: jax.Array  # i32[B, Lp]
-    output_ids: jax.Array  # i32[B, Lo]
-    suppress_ids: jax.Array  # i32[B, Ls]
+    suppress: jax.Array  # bool[B]
+    table_rows: jax.Array  # i32[B]
+    table: jax.Array  # i32[R, V]
 
 
 @jax.tree_util.register_dataclass
@@ -91,40 +109,51 @@ class SampleOutput:
 # --------------------------------------------------------------------------- host side
 
 
-def bucket_len(n: int, minimum: int = _MIN_BUCKET) -> int:
-    """The smallest power of two >= max(n, minimum): few distinct shapes -> few compiles."""
-    n = max(int(n), minimum)
-    return 1 << (n - 1).bit_length()
-
-
 def seed_to_u32(seed: int) -> int:
     """Fold an arbitrary Python int into 32 bits (the PRNG seed width used here)."""
     s = int(seed) % (1 << 64)
     return (s ^ (s >> 32)) & 0xFFFFFFFF
 
 
-def _pad_ids(rows: Sequence[Sequence[int] | None], n_rows: int, length: int) -> np.ndarray:
-    out = np.full((n_rows, length), -1, np.int32)
-    for i, r in enumerate(rows):
-        if r is None or len(r) == 0:
-            continue
-        out[i, : len(r)] = np.asarray(r, np.int64)
-    return out
+def uses_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
-def _resolve_lens(pad_len_to, needed: tuple[int, int, int]) -> tuple[int, int, int]:
-    if callable(pad_len_to):
-        lens = tuple(int(pad_len_to(n)) for n in needed)
-    elif isinstance(pad_len_to, (int, np.integer)):
-        lens = (int(pad_len_to),) * 3
-    else:
-        lens = tuple(int(x) for x in pad_len_to)
-        if len(lens) != 3:
-            raise ValueError("pad_len_to must be a callable, an int, or (Lp, Lo, Ls)")
-    for name, got, need in zip(("prompt", "output", "suppress"), lens, needed):
-        if got < need:
-            raise ValueError(f"pad_len_to gives {name} length {got} < {need} needed")
-    return lens  # type: ignore[return-value]
+def token_table_row(prompt: Sequence[int], output: Sequence[int], suppress: Sequence[int],
+                    vocab_size: int) -> np.ndarray:
+    """A request's token-table row (``i32[V]``) from its histories; ids outside ``[0, V)`` are
+    ignored. O(len(prompt) + len(output) + V): built once per (re)admission, never per step."""
+    def ids(xs):
+        a = np.asarray(xs, np.int64).reshape(-1)
+        return a[(a >= 0) & (a < vocab_size)]
+
+    row = np.bincount(ids(output), minlength=vocab_size).astype(np.int32)
+    if (row > COUNT_MASK).any():
+        raise ValueError("token count overflows the token table")
+    row[ids(prompt)] |= PROMPT_BIT
+    row[ids(suppress)] |= SUPPRESS_BIT
+    return row
+
+
+def row_settings(params: Sequence[SamplingParams], seeds: Sequence[int | None], B: int):
+    """Per-row sampling settings (numpy, padded to ``B`` neutral greedy rows):
+    ``(floats f32[6, B]: temperature, top_p, min_p, repetition, frequency, presence;
+    top_k i32[B]; seed u32[B])``."""
+    f = np.zeros((6, B), np.float32)
+    f[1] = f[3] = 1.0  # top_p, repetition_penalty
+    top_k = np.zeros(B, np.int32)
+    seed = np.zeros(B, np.uint32)
+    for i, p in enumerate(params):
+        s = seeds[i] if seeds[i] is not None else p.seed
+        if s is None:
+            if not p.greedy:
+                raise ValueError(f"request {i} has no seed; the engine must assign one")
+            s = 0  # greedy rows never read the random stream
+        f[:, i] = (0.0 if p.greedy else p.temperature, p.top_p, p.min_p, p.repetition_penalty,
+                   p.frequency_penalty, p.presence_penalty)
+        top_k[i] = max(p.top_k, 0)
+        seed[i] = seed_to_u32(s)
+    return f, top_k, seed
 
 
 def build_sampler_inputs(
@@ -135,21 +164,20 @@ def build_sampler_inputs(
     outputs: Sequence[Sequence[int]],
     suppress: Sequence[Sequence[int]] | None = None,
     pad_rows_to: int | None = None,
-    pad_len_to: Callable[[int], int] | int | tuple[int, int, int] = bucket_len,
+    *,
+    vocab_size: int,
 ) -> SamplerInputs:
-    """Pack per-request settings and token histories into a padded :class:`SamplerInputs`.
+    """Pack per-request settings and token histories into a padded :class:`SamplerInputs`
+    with its own table (row ``i`` for request ``i``, built by :func:`token_table_row`). The
+    engine does not use this (it keeps one table on the device, see ``runner``); tests and
+    direct callers of :func:`sample` do.
 
     ``seeds[i]`` (or ``params[i].seed`` where ``seeds`` / the entry is ``None``) must be
     an int for sampled rows: the engine draws one for unseeded requests when they arrive,
-    so a request's stream stays reproducible across steps (greedy rows may have none). ``steps[i]`` is the number of tokens request
-    ``i`` has generated so far. Rows ``len(params) .. pad_rows_to - 1`` are padding with
-    neutral greedy settings. ``pad_len_to`` maps each needed id-list length to the padded
-    one (default: power-of-two bucket >= 8), or fixes it (an int for all three lists, or
-    ``(Lp, Lo, Ls)``).
-
-    Histories a row's settings never read are left out (prompt ids unless the repetition
-    penalty is on; output ids unless some penalty is on), which keeps arrays short for the
-    common no-penalty case without changing any result.
+    so a request's stream stays reproducible across steps (greedy rows may have none).
+    ``steps[i]`` is the number of tokens request ``i`` has generated so far. Rows
+    ``len(params) .. pad_rows_to - 1`` are padding with neutral greedy settings.
+    ``suppress[i]`` lists ids row ``i`` must not sample.
     """
     n = len(params)
     B = n if pad_rows_to is None else int(pad_rows_to)
@@ -163,79 +191,55 @@ def build_sampler_inputs(
         suppress = [()] * n
     if len(seeds) != n or len(suppress) != n:
         raise ValueError("seeds and suppress must have one entry per request")
-
-    f32 = lambda: np.zeros(B, np.float32)  # noqa: E731
-    temperature, top_p, min_p = f32(), np.ones(B, np.float32), f32()
-    rep, freq, pres = np.ones(B, np.float32), f32(), f32()
-    top_k = np.zeros(B, np.int32)
-    seed = np.zeros(B, np.uint32)
+    f, top_k, seed = row_settings(params, seeds, B)
     step = np.zeros(B, np.int32)
-    use_prompt: list = [None] * n
-    use_output: list = [None] * n
-    for i, p in enumerate(params):
-        s = seeds[i] if seeds[i] is not None else p.seed
-        if s is None:
-            if not p.greedy:
-                raise ValueError(f"request {i} has no seed; the engine must assign one")
-            s = 0  # greedy rows never read the random stream
-        temperature[i] = 0.0 if p.greedy else p.temperature
-        top_k[i] = max(p.top_k, 0)
-        top_p[i], min_p[i] = p.top_p, p.min_p
-        rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
-        seed[i] = seed_to_u32(s)
-        step[i] = int(steps[i])
-        if p.repetition_penalty != 1.0:
-            use_prompt[i] = prompts[i]
-        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-            use_output[i] = outputs[i]
-    needed = (
-        max((len(r) for r in use_prompt if r is not None), default=0),
-        max((len(r) for r in use_output if r is not None), default=0),
-        max((len(r) for r in suppress), default=0),
-    )
-    lp, lo, ls = _resolve_lens(pad_len_to, needed)
+    step[:n] = np.asarray(steps, np.int64)
+    sup = np.zeros(B, bool)
+    table = np.zeros((B, vocab_size), np.int32)
+    for i in range(n):
+        table[i] = token_table_row(prompts[i], outputs[i], suppress[i], vocab_size)
+        sup[i] = len(suppress[i]) > 0
     return SamplerInputs(
-        temperature=jnp.asarray(temperature),
-        top_k=jnp.asarray(top_k),
-        top_p=jnp.asarray(top_p),
-        min_p=jnp.asarray(min_p),
-        repetition_penalty=jnp.asarray(rep),
-        frequency_penalty=jnp.asarray(freq),
-        presence_penalty=jnp.asarray(pres),
-        seed=jnp.asarray(seed),
-        step=jnp.asarray(step),
-        prompt_ids=jnp.asarray(_pad_ids(use_prompt, B, lp)),
-        output_ids=jnp.asarray(_pad_ids(use_output, B, lo)),
-        suppress_ids=jnp.asarray(_pad_ids(suppress, B, ls)),
+        temperature=jnp.asarray(f[0]), top_k=jnp.asarray(top_k), top_p=jnp.asarray(f[1]),
+        min_p=jnp.asarray(f[2]), repetition_penalty=jnp.asarray(f[3]),
+        frequency_penalty=jnp.asarray(f[4]), presence_penalty=jnp.asarray(f[5]),
+        seed=jnp.asarray(seed), step=jnp.asarray(step), suppress=jnp.asarray(sup),
+        table_rows=jnp.arange(B, dtype=jnp.int32), table=jnp.asarray(table),
     )
 
 
 # ------------------------------------------------------------------------- device side
 
 
-def _scatter_index(ids: jax.Array, V: int) -> jax.Array:
-    # negative pads would wrap around in a scatter; send them out of range and drop them
-    return jnp.where(ids >= 0, ids, V)
-
-
 def apply_penalties(logits: jax.Array, inp: SamplerInputs) -> jax.Array:
     """Repetition, frequency and presence penalties, then suppression (``f32[B, V]``).
 
     This is exactly what greedy rows take the argmax of; exposed for tests and debugging.
+    A row with neutral settings and no suppression comes out bit-identical to its input, so
+    :func:`sample` may skip this for a batch where no row uses it.
     """
     logits = logits.astype(jnp.float32)
-    B, V = logits.shape
-    rows = jnp.arange(B)[:, None]
-    counts = jnp.zeros((B, V), jnp.int32).at[rows, _scatter_index(inp.output_ids, V)].add(
-        1, mode="drop")
+    rows = inp.table[inp.table_rows]  # [B, V]
+    counts = rows & COUNT_MASK
     in_output = counts > 0
-    seen = jnp.zeros((B, V), bool).at[rows, _scatter_index(inp.prompt_ids, V)].set(
-        True, mode="drop") | in_output
+    seen = ((rows & PROMPT_BIT) != 0) | in_output
     rp = inp.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
     logits = logits - (inp.frequency_penalty[:, None] * counts.astype(jnp.float32)
                        + inp.presence_penalty[:, None] * in_output.astype(jnp.float32))
-    return logits.at[rows, _scatter_index(inp.suppress_ids, V)].set(-jnp.inf, mode="drop")
+    suppressed = inp.suppress[:, None] & ((rows & SUPPRESS_BIT) != 0)
+    return jnp.where(suppressed, -jnp.inf, logits)
+
+
+def uses_table(inp: SamplerInputs) -> jax.Array:
+    """Whether any row of the batch reads its token-table row (a penalty or suppression)."""
+    return jnp.any((inp.repetition_penalty != 1.0) | (inp.frequency_penalty != 0.0)
+                   | (inp.presence_penalty != 0.0) | inp.suppress)
+
+
+def record_tokens(table: jax.Array, rows: jax.Array, tokens: jax.Array, mask: jax.Array) -> jax.Array:
+    """Count each sampled token into its request's table row (rows where ``mask`` holds)."""
+    return table.at[rows, tokens].add(mask.astype(table.dtype), mode="drop")
 
 
 def _row_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
@@ -304,7 +308,7 @@ def sample(logits: jax.Array, inp: SamplerInputs, num_logprobs: int = 0) -> Samp
     engine passes the largest any request in the batch asked for and slices per request.
     """
     raw = logits.astype(jnp.float32)
-    penalized = apply_penalties(raw, inp)
+    penalized = jax.lax.cond(uses_table(inp), apply_penalties, lambda x, _: x, raw, inp)
     greedy_tok = jnp.argmax(penalized, axis=1).astype(jnp.int32)
     greedy = inp.temperature < GREEDY_TEMPERATURE
     tokens = jax.lax.cond(

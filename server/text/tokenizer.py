@@ -134,12 +134,14 @@ class Detokenizer:
     Bytes of an unfinished UTF-8 character are kept until a later token completes it;
     :meth:`flush` ends the stream (an unfinished character becomes U+FFFD). Bytes that can
     never form a character are replaced by U+FFFD as soon as that is certain. ``text`` is all
-    text returned so far.
+    text returned so far (unless ``keep_text=False``: then each call costs only its own ids,
+    and ``text`` stays empty).
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False, keep_text: bool = True):
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        self._keep = keep_text
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""
 
@@ -159,13 +161,15 @@ class Detokenizer:
                 self._utf8.reset()
                 out.append(name)
         s = "".join(out)
-        self.text += s
+        if self._keep:
+            self.text += s
         return s
 
     def flush(self) -> str:
         s = self._utf8.decode(b"", final=True)
         self._utf8.reset()
-        self.text += s
+        if self._keep:
+            self.text += s
         return s
 
 
@@ -242,8 +246,8 @@ class Tokenizer:
         d = Detokenizer(self, skip_special_tokens)
         return d.add(ids) + d.flush()
 
-    def detokenizer(self, skip_special_tokens: bool = False) -> Detokenizer:
-        return Detokenizer(self, skip_special_tokens)
+    def detokenizer(self, skip_special_tokens: bool = False, keep_text: bool = True) -> Detokenizer:
+        return Detokenizer(self, skip_special_tokens, keep_text)
 
     def is_special(self, token_id: int) -> bool:
         return int(token_id) in self._id_to_special

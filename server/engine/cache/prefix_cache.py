@@ -83,7 +83,7 @@ class PrefixCache:
                                  on_evict=self._offload if host_bytes else None)
         self.host = HostTier(host_bytes) if host_bytes else None
         self.events = KvEventLog()
-        self._ctx_tokens: list[int] | None = None  # tokens of the request being registered
+        self._ctx_req = None  # the request being registered (its tokens name stored blocks)
         self._seen: OrderedDict[bytes, None] = OrderedDict()  # keys of prefixes computed before
         self.seen_capacity = seen_capacity
         self._live: dict[bytes, object] = {}  # prompt keys of running requests -> request
@@ -104,8 +104,8 @@ class PrefixCache:
             ch = req.chain = PrefixChain(self.unit, req.salt)
             req.chain_len = 0
         known = req.num_known
-        if req.chain_len < known:
-            ch.extend(req.tokens[req.chain_len:known])
+        if req.chain_len < known:  # only the tokens not keyed yet: O(new tokens) per call
+            ch.extend(req.token_slice(req.chain_len, known))
             req.chain_len = known
         return ch.hashes
 
@@ -115,11 +115,12 @@ class PrefixCache:
             return
         ents = self.index._entries
         first = ents[keys[0]]
-        toks = self._ctx_tokens or []
+        req = self._ctx_req
         u = self.unit
         self.events.add(Event("stored", [block_hash(k) for k in keys],
                               parent=block_hash(first[0]) if first[0] is not None else None,
-                              token_ids=[toks[ents[k][2] * u:(ents[k][2] + 1) * u] for k in keys], block_size=u))
+                              token_ids=[req.token_slice(ents[k][2] * u, (ents[k][2] + 1) * u) if req else []
+                                         for k in keys], block_size=u))
 
     def _offload(self, key: bytes, slot: int, units: int, pages: list[int]) -> None:
         """Index eviction hook: copy the prefix out to the host tier before its slot is reused."""
@@ -296,11 +297,11 @@ class PrefixCache:
                 if have and self.cache_mgr.placement_of_page(cached[0], 0) != self.cache_mgr.placement_of(req.rid):
                     self.cache_mgr.slots.free_snapshot(slot)
                     continue
-            self._ctx_tokens = req.tokens
+            self._ctx_req = req
             try:
                 ok = self.index.register(hashes[:units], self.cache_mgr.pages_of(req.rid), slot) == units
             finally:
-                self._ctx_tokens = None
+                self._ctx_req = None
             if not ok:
                 self.cache_mgr.slots.free_snapshot(slot)
         if keep:
