@@ -76,13 +76,16 @@ def tool_path(name: str) -> str | None:
     return str(here) if here.is_file() else shutil.which(name)
 
 
-def run_to_end(engine, rids, max_steps: int = 2000) -> list:
-    """Step ``engine`` until it has no work left; the final output of each of ``rids``, in order."""
+def run_to_end(engine, rids, max_steps: int = 2000, after_step=None) -> list:
+    """Step ``engine`` until it has no work left; the final output of each of ``rids``, in order.
+    ``after_step()``, if given, runs after every step (a check of the engine's state)."""
     done, steps = {}, 0
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 done[out.rid] = out
+        if after_step is not None:
+            after_step()
         steps += 1
         assert steps < max_steps, f"engine still busy after {max_steps} steps"
     return [done[r] for r in rids]

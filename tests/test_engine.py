@@ -291,13 +291,8 @@ def test_penalty_token_table_is_rebuilt_after_preemption():
 
     def run(batch):
         rids = [eng.add_request(p, sp) for p, sp in batch]
-        done = {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                if o.finished:
-                    done[o.rid] = o
-            eng.runner.check_table(eng.requests)
-        return [done[r].token_ids for r in rids]
+        outs = run_to_end(eng, rids, after_step=lambda: eng.runner.check_table(eng.requests))
+        return [o.token_ids for o in outs]
 
     outs = {"tiny": run(list(zip(base, params)))}
     assert eng.stats()["num_preemptions"] > 0

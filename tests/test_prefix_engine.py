@@ -171,13 +171,7 @@ def test_penalties_read_the_same_token_tables_on_prefix_hits(engines):
         outs = []
         for batch in ([prompts[0]], prompts[1:]):  # the first turn fills the cache
             rids = [eng.add_request(p, pen) for p in batch]
-            done = {}
-            while eng.has_unfinished():
-                for o in eng.step():
-                    if o.finished:
-                        done[o.rid] = o
-                eng.runner.check_table(eng.requests)
-            outs += [done[r] for r in rids]
+            outs += run_to_end(eng, rids, after_step=lambda: eng.runner.check_table(eng.requests))
         got[eng is on] = outs
     assert [o.token_ids for o in got[True]] == [o.token_ids for o in got[False]]
     assert all(o.cached_tokens > 0 for o in got[True][1:])

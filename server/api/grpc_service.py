@@ -30,7 +30,6 @@ import hashlib
 import io
 import json
 import math
-import threading
 import time
 import uuid
 import zipfile

@@ -30,6 +30,8 @@ import time
 
 import numpy as np
 
+from .report import emit
+
 
 def measure(eng, prompt, rows: int, steps: int, warm: int, params) -> dict:
     """Prefill ``rows`` copies of ``prompt``, decode ``warm`` steps, then time ``steps`` decode
@@ -122,10 +124,7 @@ def main(argv=None) -> int:
     contexts = sorted(int(c) for c in a.contexts.split(","))
     report = {"model": str(model_dir), **run(model_dir, contexts, a.rows, a.steps, chunk=a.chunk,
                                               penalties=a.penalties, stop=a.stop)}
-    print(json.dumps(report, indent=1))
-    if a.json:
-        pathlib.Path(a.json).write_text(json.dumps(report, indent=1))
-    return 0
+    return emit(report, a.json)
 
 
 if __name__ == "__main__":

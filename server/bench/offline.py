@@ -26,6 +26,8 @@ import time
 
 import numpy as np
 
+from .report import emit
+
 
 def run_k3serve(model_dir, conc, prompt_len, gen_len, seed=0, modes=("async",), **engine_kw):
     from k3serve.model import load_pretrained
@@ -97,10 +99,7 @@ def main(argv=None) -> int:
         ours = {r["concurrency"]: r["tok_per_s"] for r in res if r["mode"] == modes[0]}
         theirs = {r["concurrency"]: r["tok_per_s"] for r in report["transformers"]["results"]}
         report["ratio_k3serve_over_transformers"] = {c: round(ours[c] / theirs[c], 2) for c in theirs if c in ours}
-    print(json.dumps(report, indent=1))
-    if a.json:
-        pathlib.Path(a.json).write_text(json.dumps(report, indent=1))
-    return 0
+    return emit(report, a.json)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,11 @@ and cached pages (at the end and at peak). Ratios on/off are of the two passes o
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 import time
+
+from .report import emit
 
 
 def _serve_and_replay(model, trace, *, block_size: int, time_scale: float, engine_kw: dict) -> dict:
@@ -106,10 +107,7 @@ def main(argv=None) -> int:
         "ttft_p50_ratio_on_over_off": round(p50(on) / p50(off), 3) if p50(on) and p50(off) else None,
         "snapshot_bytes_held_end": on.get("snapshot_bytes"), "prefix_bytes_peak": on.get("prefix_bytes_peak"),
     }
-    print(json.dumps(report, indent=1))
-    if a.json:
-        pathlib.Path(a.json).write_text(json.dumps(report, indent=1))
-    return 0
+    return emit(report, a.json)
 
 
 if __name__ == "__main__":
