@@ -184,6 +184,8 @@ class Runner:
             if keep:
                 table = jax.lax.with_sharding_constraint(table, keep["out_shardings"])
             full = out.tokens if B == M else jnp.zeros(M, jnp.int32).at[:B].set(out.tokens)
+            if keep:  # fed back as the next call's prev_a/prev_b: the layout warm-up compiled for
+                full = jax.lax.with_sharding_constraint(full, keep["out_shardings"])
             return out, full, cache, table
 
         self._step_fn = fn
