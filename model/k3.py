@@ -57,7 +57,12 @@ class KimiLM(nnx.Module):
             self.output_attn_res = AttnResWeights(D, dtype)
         self.lm_head = Linear(D, cfg.vocab_size, dtype, ("vocab", "embed"))
 
-    def __call__(self, batch: StepBatch, cache: Cache, capture: bool = False, par=None):
+    def __call__(self, batch: StepBatch, cache: Cache, capture: bool = False, par=None, logits_at=None):
+        """One step: ``(logits, new_cache)`` (plus a record with ``capture``).
+
+        Logits are ``[B, T, vocab]`` for every position, or, with ``logits_at`` (int ``[B]``, a
+        position per row: the token to sample from), ``[B, 1, vocab]`` for those positions only:
+        the final norm and LM head then run on ``B`` tokens instead of ``B·T``."""
         cfg = self.cfg
         ids = batch.input_ids
         B, T = ids.shape
@@ -139,6 +144,10 @@ class KimiLM(nnx.Module):
                 (lambda pool, v: par.put_slots(pool, slots, v))
             kda_conv = put(kda_conv, jnp.stack(conv_out))
             kda_state = put(kda_state, jnp.stack(state_out))
+        if logits_at is not None and not capture:  # only the positions that are sampled
+            rows = jnp.arange(B)
+            bank = [v[rows, logits_at][:, None] for v in bank]
+            p = p[rows, logits_at][:, None]
         out = attn_res(bank, p, self.output_attn_res, eps) if cfg.uses_attn_res else p
         normed = gather(self.norm(out).astype(cdt))
         logits = jnp.einsum("btd,vd->btv", normed, self.lm_head.weight[...].astype(normed.dtype),

@@ -78,3 +78,28 @@ def test_bfloat16_mode_tolerance():
         assert rel_err(np.asarray(l0[name][0, :T], np.float32), g[f"s0_layer_{name}"][0]) < 3e-2, name
     toks = m.greedy(ids, max_new_tokens=3)
     assert len(toks) == 3 and all(0 <= t < m.config.vocab_size for t in toks)
+
+
+def test_logits_at_runs_the_head_on_the_sampled_positions_only():
+    """``logits_at`` (the engine's path): the final AttnRes, norm and LM head see one position
+    per row, and give the full step's logits at those positions; the cache is the same."""
+    import jax
+    from flax import nnx
+
+    m, g = load_case("k3-tiny-a"), golden("k3-tiny-a")
+    a, b = g["input_ids_1"][:13], g["input_ids_0"][:9]
+    tok = np.zeros((2, 16), np.int32)
+    tok[0, : len(a)], tok[1, : len(b)] = a, b
+    batch = make_batch(tok, [0, 0], [len(a), len(b)], [2, 1], [[3, 1], [0, 2]])
+    at = np.array([len(a) - 1, 4], np.int32)  # the last prompt token, and a position inside row 1
+
+    @jax.jit
+    def run(params, cache, logits_at):
+        return nnx.merge(m.graphdef, params)(batch, cache, logits_at=logits_at)
+
+    full, cache_full = m.step(m.new_cache(num_slots=3, num_pages=4), batch)
+    some, cache_some = run(m.params, m.new_cache(num_slots=3, num_pages=4), at)
+    assert some.shape == (2, 1, m.config.vocab_size)
+    assert rel_err(np.asarray(some[:, 0]), np.asarray(full)[[0, 1], at]) < 1e-6
+    for x, y in zip(jax.tree.leaves(cache_full), jax.tree.leaves(cache_some)):
+        assert np.array_equal(np.asarray(x), np.asarray(y))

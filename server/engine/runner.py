@@ -171,10 +171,10 @@ class Runner:
             prev = prev_tokens[jnp.maximum(from_prev, 0)]
             ids = meta[:, :T].at[:, 0].set(jnp.where(has_prev, prev, meta[:, 0]))
             batch = StepBatch(ids, start, lens, slots, meta[:, T:T + P])
-            logits, cache = nnx.merge(graphdef, params)(batch, cache, par=par)
+            logits, cache = nnx.merge(graphdef, params)(batch, cache, par=par, logits_at=last)
             if par is not None:  # the cache goes out in the layout it came in (warm-up's AOT programs fix it)
                 cache = par.pin_cache(cache)
-            rows = logits[jnp.arange(B), last]
+            rows = logits[:, 0]  # the LM head ran on each row's sampled position only
             sinp = SamplerInputs(temperature=fl[:, 0], top_k=top_k, top_p=fl[:, 1], min_p=fl[:, 2],
                                  repetition_penalty=fl[:, 3], frequency_penalty=fl[:, 4], presence_penalty=fl[:, 5],
                                  seed=jax.lax.bitcast_convert_type(seed, jnp.uint32), step=step,
