@@ -310,3 +310,36 @@ def test_lifecycle_fuzz_dp_dcp(dp, dcp):
     m.check_invariants()
     assert m.num_free_pages == plan.num_pages and all(m.pages.num_free_in(b) == per_block for b in range(blocks))
     assert m.num_free_slots == max_seqs
+
+
+def test_scheduler_budgets_decode_rows_before_prefill():
+    """An older request still prefilling does not take the token budget from a younger one
+    that decodes: decode rows are planned first, the prefill gets what is left."""
+    from k3serve.server.engine.request import Request
+    from k3serve.server.engine.sampling_params import SamplingParams
+    from k3serve.server.engine.scheduler import Scheduler
+
+    cfg = k3_small()
+    plan = plan_capacity(cfg, page_size=16, dtype=jnp.float32, num_pages=64, max_num_seqs=4)
+    sched = Scheduler(CacheManager(cfg, plan, jnp.float32, allocate=False), max_num_seqs=4,
+                      max_num_batched_tokens=32, chunk_size=32)
+    young = Request(list(range(1, 9)), SamplingParams(max_new_tokens=8), rid="young")
+    sched.add(young)
+    first = sched.schedule()  # the young request prefills alone ...
+    assert [(r.req.rid, r.num_tokens) for r in first.rows] == [("young", 8)]
+    young.num_computed += 8
+    young.output.append(5)  # ... samples its first token and now decodes
+    old = Request(list(range(1, 201)), SamplingParams(max_new_tokens=8), rid="old", priority=-1)
+    sched.add(old)  # older by priority, with a prompt longer than the whole budget
+    second = sched.schedule()  # running rows first, then the admission takes what is left
+    assert [(r.req.rid, r.num_tokens) for r in second.rows] == [("young", 1), ("old", 31)]
+    for _ in range(3):  # while the old one prefills, the young one keeps decoding every step
+        young.num_computed += 1
+        young.output.append(6)
+        old.num_computed += sched_rows(second)["old"]
+        second = sched.schedule()
+        assert [(r.req.rid, r.num_tokens) for r in second.rows] == [("young", 1), ("old", 31)]
+
+
+def sched_rows(plan):
+    return {r.req.rid: r.num_tokens for r in plan.rows}

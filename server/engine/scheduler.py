@@ -113,7 +113,9 @@ class Scheduler:
         plan = StepPlan([], [])
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
-        for req in sorted(self.running, key=Request.sort_key):
+        # decode rows first (one token each), then prefill chunks from what is left of the
+        # budget, oldest first within each: a long prefill never delays a decoding request
+        for req in sorted(self.running, key=lambda r: (r.remaining > 1, r.sort_key())):
             if req.status is not Status.RUNNING or len(plan.rows) >= self.max_num_seqs or budget <= 0:
                 continue
             if self._complete(req):
@@ -124,7 +126,7 @@ class Scheduler:
                 group = self.cache_mgr.group_of(req.rid)
                 victims = [r for r in self.running if r.rid not in scheduled and r is not req
                            and self.cache_mgr.group_of(r.rid) == group]
-                victim = max(victims, key=Request.sort_key) if victims else req
+                victim = max(victims + [req], key=Request.sort_key)  # the newest request yields
                 self._preempt(victim, plan)
                 if victim is req:
                     break
