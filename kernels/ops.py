@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .kda import kda_chunked, kda_recurrent
 from .mla import merge_partials, mla_paged_attention, write_kv_pages
+from .mla_ragged import mla_ragged_attention, write_kv_rows
 from .moe import expert_ffn, dequant_experts
 from .mxfp4 import unpack_mxfp4
 
@@ -16,6 +17,8 @@ __all__ = [
     "mla_paged_attention",
     "merge_partials",
     "write_kv_pages",
+    "mla_ragged_attention",
+    "write_kv_rows",
     "expert_ffn",
     "dequant_experts",
     "unpack_mxfp4",
