@@ -69,6 +69,100 @@ def unit_lower_solve(A, *rhs):
     return out
 
 
+def blocked_unit_lower_solve(A, *rhs, block: int = 16):
+    """``unit_lower_solve``'s contract, by blocks: the inverses of the C / block diagonal
+    blocks by forward substitution, all blocks at once (block - 1 loop steps instead of C - 1),
+    then block forward substitution with matmuls. Falls back to ``unit_lower_solve`` when C is
+    not a multiple of ``block`` larger than it. Measured against the row loop (and against
+    inverting the blocks as a Neumann product, which lost 3 digits when A is far from 0) in
+    kernels/kda_ragged.py.
+    """
+    C = A.shape[-1]
+    if C % block or C <= block:
+        return unit_lower_solve(A, *rhs)
+    R = jnp.concatenate(rhs, axis=-1)
+    sl = [slice(i * block, (i + 1) * block) for i in range(C // block)]
+    D = jnp.stack([A[..., s, s] for s in sl], axis=-3)  # [..., nb, block, block]
+    (inv,) = unit_lower_solve(D, jnp.broadcast_to(jnp.eye(block, dtype=A.dtype), D.shape))
+    X = []
+    for i, s in enumerate(sl):
+        r = R[..., s, :]
+        if i:
+            r = r - A[..., s, : i * block] @ jnp.concatenate(X, axis=-2)
+        X.append(inv[..., i, :, :] @ r)
+    X = jnp.concatenate(X, axis=-2)
+    out, o = [], 0
+    for r in rhs:
+        out.append(X[..., o : o + r.shape[-1]])
+        o += r.shape[-1]
+    return out
+
+
+def decay_scores(q, k, G, sub: int | None = None):
+    """Akk[t, j] = sum_d k_t k_j e^{G_t - G_j} and Aqk[t, j] = sum_d q_t k_j e^{G_t - G_j} for
+    j <= t (0 above the diagonal); q, k, G [..., C, dk] -> two [..., C, C].
+
+    sub=None: from the pairwise decay tensor [..., C, C, dk], masked before the exp. With a
+    sub-block size dividing C: pairs inside a sub-block the same way ([..., C, sub, dk]), pairs
+    across sub-blocks as matmuls through the cumulative decay at the token r just before t's
+    sub-block: e^{G_t - G_j} = e^{G_t - G_r} e^{G_r - G_j}, both exponents <= 0 (j <= r <= t),
+    so nothing overflows. About 3x faster per 64-token chunk on CPU (H=8, dk=64).
+    """
+    C = q.shape[-2]
+    if sub is None or sub >= C or C % sub:
+        idx = jnp.arange(C)
+        causal = idx[:, None] >= idx[None, :]
+        diff = G[..., :, None, :] - G[..., None, :, :]
+        P = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))  # [..., C(t), C(j), dk]
+        return (jnp.einsum("...td,...jd,...tjd->...tj", k, k, P),
+                jnp.einsum("...td,...jd,...tjd->...tj", q, k, P))
+    nb, dk = C // sub, G.shape[-1]
+    lead = G.shape[:-2]
+    Gb, kb, qb = (x.reshape(*lead, nb, sub, dk) for x in (G, k, q))
+    idx = jnp.arange(sub)
+    causal = idx[:, None] >= idx[None, :]
+    diff = Gb[..., :, None, :] - Gb[..., None, :, :]
+    P = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))  # [..., nb, sub, sub, dk]
+    kk_in = jnp.einsum("...td,...jd,...tjd->...tj", kb, kb, P)
+    qk_in = jnp.einsum("...td,...jd,...tjd->...tj", qb, kb, P)
+    # G_r for each sub-block b: the last token of block b-1 (0 before the chunk)
+    Gr = jnp.concatenate([jnp.zeros_like(Gb[..., :1, -1, :]), Gb[..., :-1, -1, :]], axis=-2)  # [..., nb, dk]
+    dec_t = jnp.exp(Gb - Gr[..., None, :])  # t in block b
+    before = jnp.arange(C)[None, :] < (jnp.arange(nb) * sub)[:, None]  # [nb, C(j)]: j <= r_b
+    dec_j = jnp.exp(jnp.where(before[:, :, None], Gr[..., :, None, :] - G[..., None, :, :], -jnp.inf))
+    kj = k[..., None, :, :] * dec_j  # [..., nb, C(j), dk]
+    kk_x = jnp.einsum("...btd,...bjd->...btj", kb * dec_t, kj).reshape(*lead, C, C)
+    qk_x = jnp.einsum("...btd,...bjd->...btj", qb * dec_t, kj).reshape(*lead, C, C)
+    diag = jnp.eye(nb, dtype=G.dtype)  # place the in-block parts on the block diagonal
+    place = lambda x: jnp.einsum("...bts,bc->...btcs", x, diag).reshape(*lead, C, C)
+    return kk_x + place(kk_in), qk_x + place(qk_in)
+
+
+def kda_chunk(q, k, v, beta, G, S, solve=unit_lower_solve, sub: int | None = None):
+    """One chunk of the chunked form, batched over leading dims.
+
+    q, k [..., C, dk]; v [..., C, dv]; beta [..., C]; G [..., C, dk] the inclusive cumulative
+    log-decay within the chunk; S [..., dk, dv] the state before the chunk. ``solve`` solves
+    ``(I + A) X = R`` (``unit_lower_solve``'s contract); ``sub`` as in ``decay_scores``.
+    Returns (o [..., C, dv], the state after the chunk, U [..., C, dv] the values actually
+    written). Positions with g = 0 and beta = 0 at the end of the chunk are no-ops for the state.
+    """
+    C = q.shape[-2]
+    idx = jnp.arange(C)
+    strict = idx[:, None] > idx[None, :]
+    Akk, Aqk = decay_scores(q, k, G, sub)
+    A = jnp.where(strict, Akk * beta[..., :, None], 0.0)
+    rhs_v = v * beta[..., None]
+    rhs_k = k * jnp.exp(G) * beta[..., None]
+    u0, w = solve(A, rhs_v, rhs_k)
+    U = u0 - jnp.einsum("...td,...dv->...tv", w, S)
+    o = jnp.einsum("...td,...dv->...tv", q * jnp.exp(G), S) + jnp.einsum("...tj,...jv->...tv", Aqk, U)
+    Glast = G[..., -1:, :]  # [..., 1, dk]
+    kdec = k * jnp.exp(Glast - G)
+    S = S * jnp.exp(Glast[..., 0, :])[..., None] + jnp.einsum("...jd,...jv->...dv", kdec, U)
+    return o, S, U
+
+
 def kda_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
     """Chunked KDA; same contract as kda_recurrent. Inputs [B, T, H, *]; state [B, H, dk, dv]."""
     f32 = jnp.float32
@@ -89,29 +183,10 @@ def kda_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
 
     qc, kc, vc, gc, bc = (chunks(x) for x in (q, k, v, g, beta))
     G = jnp.cumsum(gc, axis=-2)  # [N,B,H,C,dk]
-    idx = jnp.arange(C)
-    causal = idx[:, None] >= idx[None, :]  # j <= t
-    strict = idx[:, None] > idx[None, :]
-
-    def pairwise(Gi):  # exp(G_t - G_j) for j <= t, else 0:  [.., C(t), C(j), dk]
-        diff = Gi[..., :, None, :] - Gi[..., None, :, :]
-        diff = jnp.where(causal[:, :, None], diff, -jnp.inf)
-        return jnp.exp(diff)
 
     def step(S, xs):
         qi, ki, vi, bi, Gi = xs  # [B,H,C,dk], ..., [B,H,C]
-        P = pairwise(Gi)
-        A = jnp.einsum("bhtd,bhjd,bhtjd->bhtj", ki, ki, P) * bi[..., :, None]
-        A = jnp.where(strict, A, 0.0)
-        rhs_v = vi * bi[..., None]
-        rhs_k = ki * jnp.exp(Gi) * bi[..., None]
-        u0, w = unit_lower_solve(A, rhs_v, rhs_k)
-        U = u0 - jnp.einsum("bhtd,bhdv->bhtv", w, S)
-        Aqk = jnp.einsum("bhtd,bhjd,bhtjd->bhtj", qi, ki, P)  # zero above the diagonal via P
-        o = jnp.einsum("bhtd,bhdv->bhtv", qi * jnp.exp(Gi), S) + jnp.einsum("bhtj,bhjv->bhtv", Aqk, U)
-        Glast = Gi[..., -1:, :]  # [B,H,1,dk]
-        kdec = ki * jnp.exp(Glast - Gi)
-        S = S * jnp.exp(Glast[..., 0, :])[..., None] + jnp.einsum("bhjd,bhjv->bhdv", kdec, U)
+        o, S, _ = kda_chunk(qi, ki, vi, bi, Gi, S)
         return S, o
 
     S, o = jax.lax.scan(step, state.astype(f32), (qc, kc, vc, bc, G))

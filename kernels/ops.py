@@ -6,6 +6,7 @@ Pallas kernels plug in here by backend; the model never imports a kernel module 
 from __future__ import annotations
 
 from .kda import kda_chunked, kda_recurrent
+from .kda_ragged import kda_ragged, ragged_causal_conv
 from .mla import merge_partials, mla_paged_attention, write_kv_pages
 from .mla_ragged import mla_ragged_attention, write_kv_rows
 from .moe import expert_ffn, dequant_experts
@@ -14,6 +15,8 @@ from .mxfp4 import unpack_mxfp4
 __all__ = [
     "kda_chunked",
     "kda_recurrent",
+    "kda_ragged",
+    "ragged_causal_conv",
     "mla_paged_attention",
     "merge_partials",
     "write_kv_pages",
