@@ -13,8 +13,8 @@ pairs, same leading dims) have the expert dim over the ``ep`` EP ranks (``EXPERT
 Algorithm, per device (EP rank ``r``, tp rank ``t``):
 
 1. Split tokens over the EP ranks: N is padded to ``N_pad = ep * n``; rank ``r`` owns tokens
-   ``[r*n, (r+1)*n)`` (replicated over ``"tp"``). Padding tokens get expert id -1 and weight 0
-   and are never dispatched.
+   ``[r*n, (r+1)*n)`` (replicated over ``"tp"``). Padding tokens (and tokens the caller marks
+   invalid with ``valid``) get expert id -1 and weight 0 and are never dispatched.
 2. Dispatch: each of the ``n*k`` (token, choice) pairs goes to EP rank ``expert // (E/ep)``
    with its local expert id ``expert % (E/ep)``. Each pair's rank among the pairs with the
    same destination (``pos``) and the destination-major order (``start[d]``, ``count[d]``)
@@ -108,11 +108,13 @@ def resolve_impl(impl: str, mesh) -> str:
 
 
 def expert_ffn_ep(x, topk_idx, topk_w, w1, w2, w3, act, num_experts: int, compute_dtype=jnp.float32, *,
-                  mesh, impl: str = "auto"):
+                  mesh, impl: str = "auto", valid=None):
     """Expert-parallel ``expert_ffn``: x [N, K]; topk_idx/topk_w [N, k]; w1/w3 [E, I, K] and
     w2 [E, K, I] (dense or MXFP4 pairs) placed by ``param_spec`` on ``mesh`` (a
     ``build_mesh`` mesh). Call it under ``jax.jit`` with global arrays. Returns float32
-    [N, K], replicated over the mesh. ``impl``: "padded", "ragged" or "auto" (module doc)."""
+    [N, K], replicated over the mesh. ``impl``: "padded", "ragged" or "auto" (module doc).
+    ``valid`` (bool [N], optional): tokens where it is False are treated like the padding
+    tokens (expert id -1: never dispatched) and come out zero."""
     impl = resolve_impl(impl, mesh)
     mshape = dict(mesh.shape)
     ep = int(np.prod([mshape[a] for a in EXPERTS]))
@@ -139,7 +141,10 @@ def expert_ffn_ep(x, topk_idx, topk_w, w1, w2, w3, act, num_experts: int, comput
     n = -(-N // ep)  # tokens per EP rank
     pad = n * ep - N
     xp = jnp.pad(x, ((0, pad), (0, 0)))
-    idxp = jnp.pad(topk_idx.astype(jnp.int32), ((0, pad), (0, 0)), constant_values=-1)
+    idx = topk_idx.astype(jnp.int32)
+    if valid is not None:
+        idx = jnp.where(jnp.asarray(valid, bool).reshape(N, 1), idx, -1)
+    idxp = jnp.pad(idx, ((0, pad), (0, 0)), constant_values=-1)
     wp = jnp.pad(topk_w.astype(jnp.float32), ((0, pad), (0, 0)))
 
     body = functools.partial(_ep_body, act=act, E=E, ep=ep, n=n, k=k, compute_dtype=compute_dtype,

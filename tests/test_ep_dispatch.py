@@ -1,8 +1,8 @@
 """Explicit expert-parallel dispatch/combine (``sharding.ep.expert_ffn_ep``) on 8 CPU virtual
 devices equals the single-device ``kernels.moe.expert_ffn``: three recipes (dp=1, dp=2, ep=8),
-dense and MXFP4 weights placed by ``param_spec``, N=13 (not divisible by ep), N=1, and every
-token routed to one EP rank (the capacity worst case). One subprocess (the device count is
-fixed at jax import); the parent checks its JSON."""
+dense and MXFP4 weights placed by ``param_spec``, N=13 (not divisible by ep), N=1, every
+token routed to one EP rank (the capacity worst case), and tokens masked by ``valid``. One
+subprocess (the device count is fixed at jax import); the parent checks its JSON."""
 from __future__ import annotations
 
 import json
@@ -92,6 +92,17 @@ SCRIPT = textwrap.dedent('''
                     "err": rel(y, ref(kind, f"{name}/{El}" if name == "same_rank" else name, case)),
                     "shape": list(y.shape), "replicated": bool(y.sharding.is_fully_replicated),
                     "ep": r.ep, "tp": r.tp, "shards": shards}
+        if spec == "ep=4,tp=2":  # tokens marked invalid: never dispatched, zero rows, the rest unchanged
+            pd = place(mesh, dense)
+            x, i, w = cases["n13"]
+            v = np.arange(13) % 4 != 1
+            fv = jax.jit(lambda x, i, w, v, w1, w2, w3: expert_ffn_ep(x, i, w, w1, w2, w3, act, E, jnp.float32,
+                                                                       mesh=mesh, valid=v))
+            yv = np.asarray(fv(x, i, w, v, pd["w1"], pd["w2"], pd["w3"]), np.float64)
+            rv = jax.jit(lambda x, i, w, v, w1, w2, w3: expert_ffn(x, i, w, w1, w2, w3, act, E, valid=v))(
+                *jax.device_put((x, i, w, v, dense["w1"], dense["w2"], dense["w3"]), devices[0]))
+            out["valid"] = {"err": rel(yv, np.asarray(rv, np.float64)), "zero": bool((yv[~v] == 0).all()),
+                            "rest": rel(yv[v], ref("dense", "n13", cases["n13"])[v])}
         if spec == "ep=4,tp=2,dp=2":
             pd = place(mesh, dense)
             args = (*cases["n13"], pd["w1"], pd["w2"], pd["w3"])
@@ -160,6 +171,13 @@ def test_padded_all_to_all_matches_single_device():
                                [E // c["ep"], K // c["tp"], I // (2 if "mxfp4" in name else 1)]], (name, c)
     assert res["hlo_padded_has_a2a"], "the padded path lowered without an all-to-all"
     assert not res["hlo_padded_has_ragged"], "impl='auto' on CPU must take the padded path"
+
+
+def test_invalid_tokens_are_not_dispatched():
+    """``valid=False`` tokens (a bucket's padding) come out zero, as from ``expert_ffn``, and
+    the other tokens are what they are without the mask."""
+    v = _run()["valid"]
+    assert v["zero"] and v["err"] <= 1e-5 and v["rest"] <= 1e-5, v
 
 
 def test_ragged_offsets_with_emulated_collective():

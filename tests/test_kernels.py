@@ -88,10 +88,7 @@ def test_mla_paged_attention_matches_dense_with_scattered_pages():
     assert not np.asarray(pages[6]).any()
 
 
-@pytest.mark.parametrize("mx", [False, True])
-def test_expert_strategies_agree(mx):
-    rng = np.random.default_rng(3)
-    N, K, I, E, k = 12, 64, 32, 8, 3
+def _expert_case(rng, N, K, I, E, k, mx):
     x = rng.normal(size=(N, K)).astype(np.float32)
     idx = np.stack([rng.choice(E, k, replace=False) for _ in range(N)]).astype(np.int32)
     w = rng.random((N, k)).astype(np.float32)
@@ -102,16 +99,95 @@ def test_expert_strategies_agree(mx):
         dense = {n: unpack_mxfp4_np(*p) for n, p in weights.items()}
     else:
         weights = dense
-    act = lambda g, u: situ(g, u, 4.0, 25.0)
-    ref = np.zeros((N, K))
-    for n in range(N):
-        for j in range(k):
+    return x, idx, w, dense, weights
+
+
+def _expert_ref(x, idx, w, dense, act):
+    ref = np.zeros(x.shape)
+    for n in range(x.shape[0]):
+        for j in range(idx.shape[1]):
             e = idx[n, j]
             h = np.asarray(act(dense["w1"][e] @ x[n], dense["w3"][e] @ x[n]))
             ref[n] += w[n, j] * (dense["w2"][e] @ h)
-    for strategy in ("gather", "dense", "grouped"):
-        out = expert_ffn(x, idx, w, weights["w1"], weights["w2"], weights["w3"], act, E, strategy=strategy)
+    return ref
+
+
+def _ACT(g, u):
+    return situ(g, u, 4.0, 25.0)
+
+
+@pytest.mark.parametrize("mx", [False, True])
+def test_expert_strategies_agree(mx):
+    rng = np.random.default_rng(3)
+    N, K, I, E, k = 12, 64, 32, 8, 3
+    x, idx, w, dense, weights = _expert_case(rng, N, K, I, E, k, mx)
+    ref = _expert_ref(x, idx, w, dense, _ACT)
+    for strategy in ("gather", "dense", "grouped", "blocked"):
+        out = expert_ffn(x, idx, w, weights["w1"], weights["w2"], weights["w3"], _ACT, E, strategy=strategy)
         np.testing.assert_allclose(np.asarray(out), ref, atol=1e-4, err_msg=strategy)
+
+
+@pytest.mark.parametrize("mx", [False, True])
+def test_expert_blocked_tiles_and_padding_tokens(mx):
+    """``blocked`` at several row tiles (a hot expert's group spans many tiles, most experts
+    are empty) equals the loop reference, under jit; tokens with ``valid`` False come out zero
+    from every strategy and the others equal a run without those tokens."""
+    rng = np.random.default_rng(4)
+    N, K, I, E, k = 11, 64, 32, 16, 2
+    x, idx, w, dense, weights = _expert_case(rng, N, K, I, E, k, mx)
+    idx[:, 0] = 5  # expert 5 gets every token: 11 rows = several tiles of 1, 2 or 4
+    idx[:, 1] = rng.integers(0, 4, N)  # the rest in experts 0..3; 4 and 6..15 stay empty
+    valid = np.ones(N, bool)
+    valid[[2, 7, 10]] = False
+    ref = _expert_ref(x, idx, w, dense, _ACT)
+    ws = (weights["w1"], weights["w2"], weights["w3"])
+    ffn = jax.jit(lambda x, i, w, v, W, s, t: expert_ffn(x, i, w, *W, _ACT, E, strategy=s, valid=v, tile_rows=t),
+                  static_argnums=(5, 6))
+    for tm in (1, 2, 4):
+        out = np.asarray(ffn(x, idx, w, None, ws, "blocked", tm))
+        np.testing.assert_allclose(out, ref, atol=1e-4, err_msg=f"blocked tm={tm}")
+    alone = np.asarray(ffn(x[valid], idx[valid], w[valid], None, ws, "blocked", 2))  # padding dropped
+    np.testing.assert_allclose(alone, ref[valid], atol=1e-4)
+    for s, tm in (("gather", None), ("dense", None), ("grouped", None), ("blocked", 1), ("blocked", 2)):
+        out = np.asarray(ffn(x, idx, w, valid, ws, s, tm))
+        assert not out[~valid].any(), s
+        np.testing.assert_allclose(out[valid], alone, atol=1e-5, err_msg=f"{s} tm={tm}")
+
+
+def test_expert_blocked_skips_padding_work():
+    """Padding tokens add no tile: with every token invalid the loop runs zero steps, so even
+    NaN weights leave the output finite (zero); an invalid token's NaN input does not leak."""
+    rng = np.random.default_rng(5)
+    N, K, I, E, k = 6, 32, 16, 4, 2
+    x, idx, w, dense, weights = _expert_case(rng, N, K, I, E, k, False)
+    nan_w = {n: np.full_like(a, np.nan) for n, a in weights.items()}
+    ffn = jax.jit(lambda x, v, W, s: expert_ffn(x, idx, w, *W, _ACT, E, strategy=s, valid=v, tile_rows=2),
+                  static_argnums=3)
+    out = ffn(x, np.zeros(N, bool), (nan_w["w1"], nan_w["w2"], nan_w["w3"]), "blocked")
+    assert (np.asarray(out) == 0).all()
+    x_bad = x.copy()
+    x_bad[3] = np.nan
+    valid = np.arange(N) != 3
+    for s in ("gather", "dense", "grouped", "blocked"):
+        out = np.asarray(ffn(x_bad, valid, (weights["w1"], weights["w2"], weights["w3"]), s))
+        assert np.isfinite(out).all() and not out[3].any(), s
+
+
+def test_expert_strategy_chooser():
+    """The measured CPU rule (kernels/moe.py docstring): ``gather`` for MXFP4 experts while
+    the pairs are fewer than the experts and the gathered copy is small, ``blocked``
+    otherwise; other platforms keep the earlier rule."""
+    from k3serve.kernels.moe import blocked_tile_rows, choose_strategy
+
+    for N in (1, 8, 32, 128, 512, 8192):
+        assert choose_strategy(N, 4, 32, 256, 512, platform="cpu") == "blocked"  # 105M Kimi Linear, f32
+        assert choose_strategy(N, 8, 64, 128, 256, platform="cpu") == "blocked"
+    for N, want in ((1, "gather"), (4, "gather"), (8, "blocked"), (32, "blocked"), (512, "blocked")):
+        assert choose_strategy(N, 8, 64, 128, 256, mxfp4=True, platform="cpu") == want, N
+    assert choose_strategy(1, 8, 384, 2048, 7168, mxfp4=True, platform="cpu") == "blocked"  # copy too big
+    assert choose_strategy(512, 8, 64, 128, 256, platform="gpu") == "dense"
+    assert [blocked_tile_rows(N, 8, 64) for N in (1, 8, 32, 128, 512, 4096)] == [1, 1, 4, 16, 64, 128]
+    assert [blocked_tile_rows(N, 8, 64, mxfp4=True) for N in (1, 8, 32, 512)] == [1, 2, 8, 128]
 
 
 def test_mla_partial_attention_merge_equals_whole():

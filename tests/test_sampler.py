@@ -260,6 +260,120 @@ def test_suppressed_ids_are_never_chosen():
     assert set(toks[1:].tolist()) == {0, 1, 2, 4, 6, 7}
 
 
+# ------------------------------------------------------- top-k pre-filter and full sort
+
+
+def _keep_sorted_before_prefilter(x, inp):
+    """The mask of the sampler before the top-k pre-filter (one full stable sort per row,
+    kept here verbatim as the reference): top-k, top-p on the top-k-renormalised
+    distribution, min-p, rank 0 always kept."""
+    import jax
+    from k3serve.server.engine.sampler import _top_finite
+
+    Bx, Vx = x.shape
+    iota = jnp.broadcast_to(jnp.arange(Vx, dtype=jnp.int32), (Bx, Vx))
+    neg, order = jax.lax.sort((-x, iota), dimension=1, is_stable=True, num_keys=1)
+    xs = -neg
+    rank = iota
+    keep = rank < jnp.where(inp.top_k > 0, inp.top_k, Vx)[:, None]
+    d = xs - _top_finite(xs[:, :1])
+    e = jnp.where(keep, jnp.exp(d), 0.0)
+    probs = e / jnp.sum(e, axis=1, keepdims=True)
+    cum = jnp.cumsum(probs, axis=1)
+    mass_before = jnp.concatenate([jnp.zeros_like(cum[:, :1]), cum[:, :-1]], axis=1)
+    p = inp.top_p[:, None]
+    keep &= (mass_before < p) | (p >= 1.0)
+    keep &= d >= jnp.log(inp.min_p)[:, None]
+    keep |= rank == 0
+    return np.asarray(jnp.zeros((Bx, Vx), bool).at[jnp.arange(Bx)[:, None], order].set(keep))
+
+
+def _filter_masks(x, params, C):
+    """(sampled rows, masks by path) of ``_keep_filtered`` on ``x`` with C candidates."""
+    import jax
+    from k3serve.server.engine.sampler import _keep_filtered
+
+    inp = build_sampler_inputs(params, [0] * len(params), [0] * len(params), [[]] * len(params),
+                               [[]] * len(params), vocab_size=x.shape[1])
+    f = jax.jit(_keep_filtered, static_argnames=("candidates", "force"))
+    masks = {path: np.asarray(f(jnp.asarray(x), inp, candidates=C, force=path))
+             for path in ("prefilter", "full", None)}
+    masks["before"] = _keep_sorted_before_prefilter(jnp.asarray(x), inp)
+    sampled = ~np.array([p.greedy for p in params])
+    return sampled, masks
+
+
+_PREFILTER_ROWS = [SP(seed=1, top_k=5, top_p=0.9), SP(seed=1, top_p=0.8), SP(seed=1, top_k=8, min_p=0.1),
+                   SP(seed=1, min_p=0.2), SP(temperature=0.0, top_k=40), SP(seed=1, top_p=0.5, min_p=0.05),
+                   SP(seed=1, top_k=1), SP(seed=1)]
+
+
+def test_prefilter_and_full_sort_give_the_same_mask():
+    """C = 8 candidates out of V = 64: with peaked rows every row's kept set fits in the
+    candidates, and the pre-filter, the full sort, the automatic choice and the sampler
+    before the pre-filter agree on every sampled row; the tokens agree whatever path or C."""
+    rng = np.random.default_rng(11)
+    x = (rng.normal(size=(B, V)) * 4).astype(np.float32)
+    sampled, m = _filter_masks(x, _PREFILTER_ROWS, C=8)
+    for path in ("prefilter", None, "before"):
+        np.testing.assert_array_equal(m[path][sampled], m["full"][sampled], err_msg=str(path))
+    assert 1 < m["full"][1].sum() < 8  # a top-p row kept inside the candidates
+    assert m["full"][7].all()  # a row without filters keeps the whole vocabulary on both paths
+    toks = {}
+    for C, path in ((8, "prefilter"), (8, "full"), (8, None), (V, None)):
+        out, _ = _run_opts(x, _PREFILTER_ROWS, top_candidates=C, filter_path=path)
+        toks[C, path] = np.asarray(out.tokens)
+    for key, t in toks.items():
+        np.testing.assert_array_equal(t, toks[8, "full"], err_msg=str(key))
+
+
+def _run_opts(logits, params, **opts):
+    inp = build_sampler_inputs(params, [p.seed or 0 for p in params], list(range(len(params))),
+                               [[]] * len(params), [[]] * len(params), vocab_size=logits.shape[1])
+    return sample(logits, inp, 0, **opts), inp
+
+
+def test_full_sort_fallback_when_a_row_needs_more_than_the_candidates():
+    """Flat rows: a top-p row whose mass is not reached within the C candidates and a top-k
+    row with k > C make the pre-filter alone wrong; the automatic choice falls back to the
+    full sort, which equals the sampler before the pre-filter."""
+    rng = np.random.default_rng(12)
+    x = (rng.normal(size=(B, V)) * 0.5).astype(np.float32)
+    for params in ([SP(seed=1, top_p=0.9)] + [SP(seed=1, top_k=3)] * (B - 1),
+                   [SP(seed=1, top_k=20)] + [SP(seed=1, top_k=3)] * (B - 1)):
+        sampled, m = _filter_masks(x, params, C=8)
+        assert m["full"][0].sum() > 8
+        assert (m["prefilter"][0] != m["full"][0]).any()
+        np.testing.assert_array_equal(m[None], m["full"])
+        np.testing.assert_array_equal(m["before"][sampled], m["full"][sampled])
+        auto, _ = _run_opts(x, params, top_candidates=8)
+        full, _ = _run_opts(x, params, top_candidates=8, filter_path="full")
+        np.testing.assert_array_equal(np.asarray(auto.tokens), np.asarray(full.tokens))
+
+
+def test_prefilter_ties_zeros_and_suppressed_ids_rank_like_the_stable_sort():
+    """Equal logits (small integers), +0.0 / -0.0 and -inf: lax.top_k's candidates are the
+    stable sort's first ranks (equal values by id), so top-k and top-p boundaries inside a
+    run of ties keep the same ids on every path."""
+    rng = np.random.default_rng(13)
+    x = rng.integers(-3, 3, size=(B, V)).astype(np.float32)
+    x[:, ::7] = -0.0
+    x[:, 3::11] = -np.inf
+    x[1] = 0.0
+    x[1, 5::2] = -0.0  # a row of zeros of both signs
+    params = [SP(seed=1, top_k=3), SP(seed=1, top_k=6), SP(seed=1, top_p=0.3), SP(seed=1, top_k=7, top_p=0.6),
+              SP(seed=1, top_k=2, min_p=0.5), SP(seed=1, top_p=0.05), SP(seed=1, top_k=8), SP(seed=1, min_p=0.9)]
+    for C in (8, 16):
+        sampled, m = _filter_masks(x, params, C)
+        for path in ("prefilter", None, "before"):
+            np.testing.assert_array_equal(m[path][sampled], m["full"][sampled], err_msg=f"{path} C={C}")
+    assert m["full"][0].sum() == 3 and m["full"][1, :6].all() and m["full"][1].sum() == 6  # zeros: ids 0..5
+    toks = [np.asarray(_run_opts(x, params, top_candidates=C, filter_path=fp)[0].tokens)
+            for C, fp in ((8, "prefilter"), (8, "full"), (V, None))]
+    np.testing.assert_array_equal(toks[0], toks[1])
+    np.testing.assert_array_equal(toks[0], toks[2])
+
+
 # ------------------------------------------------------------------------ distribution
 
 
