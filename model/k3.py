@@ -7,16 +7,19 @@ mix over depth of those sources; the prefix sum restarts from the attention outp
 snapshot; the final output is one more mix (model-level weights) before the final norm.
 The bank holds only per-token values, so nothing of it crosses tokens or steps.
 
-``__call__`` is a pure step: (batch, cache) -> (logits, new cache[, intermediates]).
-Prefill chunks (T > 1) use the chunked KDA form, single-token decode the recurrent form.
+``step`` is a pure function of the flattened step (``model.step.FlatBatch``): (batch, cache)
+-> (logits, new cache[, intermediates]); ``__call__`` runs it on a padded ``[B, T]`` batch.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from .cache import Cache, StepBatch
+from .step import FlatBatch, flatten_padded, unflatten
 from .kda import KDA
 from .layers import AttnResWeights, GatedMLP, Linear, RMSNorm, attn_res, param
 from .mla import MLA
@@ -39,9 +42,9 @@ class DecoderLayer(nnx.Module):
             self.self_attention_res = AttnResWeights(D, dtype)
             self.mlp_res = AttnResWeights(D, dtype)
 
-    def ffn(self, x, aux, par=None):
+    def ffn(self, x, aux, par=None, valid=None):
         if self.is_moe:
-            return self.block_sparse_moe(x, aux, par)
+            return self.block_sparse_moe(x, aux, par, valid=valid)
         return self.mlp(x)
 
 
@@ -58,23 +61,31 @@ class KimiLM(nnx.Module):
         self.lm_head = Linear(D, cfg.vocab_size, dtype, ("vocab", "embed"))
 
     def __call__(self, batch: StepBatch, cache: Cache, capture: bool = False, par=None, logits_at=None):
-        """One step: ``(logits, new_cache)`` (plus a record with ``capture``).
+        """A padded ``[B, T]`` step (tests, goldens, ``KimiModel``): ``(logits, new_cache)`` plus a
+        record with ``capture``. Runs the flattened :meth:`step` on the ``B * T`` token axis.
 
         Logits are ``[B, T, vocab]`` for every position, or, with ``logits_at`` (int ``[B]``, a
-        position per row: the token to sample from), ``[B, 1, vocab]`` for those positions only:
-        the final norm and LM head then run on ``B`` tokens instead of ``B·T``."""
-        cfg = self.cfg
-        ids = batch.input_ids
-        B, T = ids.shape
-        t = jnp.arange(T, dtype=jnp.int32)
-        positions = batch.start_pos[:, None] + t[None, :]
-        valid = t[None, :] < batch.seq_lens[:, None]
-        kv_lens = batch.start_pos + batch.seq_lens
-        slots = batch.slot_ids
-        # a row starting at position 0 begins from an empty KDA state and conv window,
-        # whatever its slot held before (slots are reused without a separate reset)
-        fresh = batch.start_pos == 0
+        position per row: the token to sample from), ``[B, 1, vocab]`` for those positions only."""
+        fb, index = flatten_padded(batch, cache.num_slots, dp=1 if par is None else par.dp)
+        if logits_at is not None and not capture:
+            at = jnp.take_along_axis(index, logits_at[:, None], axis=1)[:, 0]
+            fb = dataclasses.replace(fb, logits_idx=jnp.where(batch.seq_lens > 0, at, -1))
+            logits, cache = self.step(fb, cache, par=par)
+            return logits[:, None], cache
+        out = self.step(fb, cache, capture=capture, par=par, all_logits=True)
+        logits = unflatten(out[0], index)
+        if not capture:
+            return logits, out[1]
+        rec = jax.tree.map(lambda v: unflatten(v, index) if getattr(v, "ndim", 0) else v, out[2])
+        return logits, out[1], rec
 
+    def step(self, fb: FlatBatch, cache: Cache, capture: bool = False, par=None, all_logits: bool = False):
+        """One flattened step (:mod:`model.step`): ``(logits [R, vocab], new_cache)`` at each
+        row's ``logits_idx`` (``[T, vocab]`` for every token with ``all_logits``), plus a
+        per-token record with ``capture``."""
+        cfg = self.cfg
+        R = fb.num_rows
+        valid = fb.valid
         kda_state, kda_conv, mla_kv = cache.kda_state, cache.kda_conv, cache.mla_kv
         kda_idx = {l: j for j, l in enumerate(cfg.kda_layers)}
         mla_idx = {l: j for j, l in enumerate(cfg.mla_layers)}
@@ -83,19 +94,20 @@ class KimiLM(nnx.Module):
 
         # The residual stream (prefix sums, AttnRes bank) is kept in fp32 whatever the
         # weight dtype; sublayers read it normalised and cast to the compute dtype.
-        # KDA rows are gathered once for all layers and scattered back once at the end: a
-        # per-layer scatter into the pool makes XLA copy the whole pool per layer
-        take = (lambda pool: pool[:, slots]) if par is None else (lambda pool: par.take_slots(pool, slots))
+        # KDA rows are gathered once for all layers (by read slot) and scattered back once at
+        # the end (by write slot): a per-layer scatter into the pool makes XLA copy the whole
+        # pool per layer
+        take = (lambda pool, s: pool[:, s]) if par is None else par.take_slots
         if kda_idx:
-            conv_rows = jnp.where(fresh[None, :, None, None], 0.0, take(kda_conv))
-            state_rows = jnp.where(fresh[None, :, None, None, None], 0.0, take(kda_state))
-        conv_out, state_out = [], []
+            conv_rows = jnp.where(fb.fresh[None, :, None, None], 0.0, take(kda_conv, fb.read_slot))
+            state_rows = jnp.where(fb.fresh[None, :, None, None, None], 0.0, take(kda_state, fb.read_slot))
+        conv_out, state_out, snap_conv, snap_state = [], [], [], []
 
         # under a recipe, ``par`` (sharding.parallel.StepParallel) runs the ops that need
-        # collectives; scatter/gather mark where sequence parallelism splits the rows
+        # collectives; scatter/gather mark where sequence parallelism splits the tokens
         scatter = (lambda v: v) if par is None else par.sp_scatter
         gather = (lambda v: v) if par is None else par.sp_gather
-        h = scatter(jnp.take(self.embed_tokens[...], ids, axis=0).astype(jnp.float32))
+        h = scatter(jnp.take(self.embed_tokens[...], fb.ids, axis=0).astype(jnp.float32))
         cdt = self.dtype
         if rec is not None:
             rec["embed"] = h
@@ -115,15 +127,14 @@ class KimiLM(nnx.Module):
             a_in = gather(layer.input_layernorm(x).astype(cdt))
             if layer.kind == "kda":
                 j = kda_idx[l]
-                out, new_conv, new_state = layer.self_attn(a_in, conv_rows[j], state_rows[j], valid, batch.seq_lens, aux)
-                conv_out.append(new_conv)
-                state_out.append(new_state)
+                out, new = layer.self_attn.flat(a_in, conv_rows[j], state_rows[j], fb, aux, par=par)
+                for lst, v in zip((conv_out, state_out, snap_conv, snap_state), new):
+                    lst.append(v)
             else:
                 j = mla_idx[l]
                 # the whole pool goes in with the layer index, so the row scatter and the page
                 # gather touch only the pages named, never a copy of the layer's pool
-                out, mla_kv, rows = layer.self_attn(a_in, mla_kv, j, batch.page_table, positions, valid, kv_lens,
-                                                    par=par)
+                out, mla_kv, rows = layer.self_attn.flat(a_in, mla_kv, j, fb, par=par)
                 if aux is not None:
                     aux["mla_rows"] = rows
             out = scatter(out)
@@ -133,24 +144,23 @@ class KimiLM(nnx.Module):
             else:
                 p = x + out
                 y = p
-            f = scatter(layer.ffn(gather(layer.post_attention_layernorm(y).astype(cdt)), aux, par))
+            f = scatter(layer.ffn(gather(layer.post_attention_layernorm(y).astype(cdt)), aux, par, valid=valid))
             p = p + f
             if aux is not None:
                 aux.update(attn_in=x, attn_out=out, mlp_in=y, mlp_out=f, prefix_sum=p, num_blocks=len(bank))
                 layer_aux.append(aux)
 
         if kda_idx:
-            put = (lambda pool, v: pool.at[:, slots].set(v)) if par is None else \
-                (lambda pool, v: par.put_slots(pool, slots, v))
-            kda_conv = put(kda_conv, jnp.stack(conv_out))
-            kda_state = put(kda_state, jnp.stack(state_out))
-        if logits_at is not None and not capture:  # only the positions that are sampled
-            rows = jnp.arange(B)
-            bank = [v[rows, logits_at][:, None] for v in bank]
-            p = p[rows, logits_at][:, None]
+            put = (lambda pool, s, v: pool.at[:, s].set(v, mode="drop")) if par is None else par.put_slots
+            kda_conv = put(put(kda_conv, fb.write_slot, jnp.stack(conv_out)), fb.snap_slot, jnp.stack(snap_conv))
+            kda_state = put(put(kda_state, fb.write_slot, jnp.stack(state_out)), fb.snap_slot, jnp.stack(snap_state))
+        if not all_logits and not capture:  # only the tokens that are sampled
+            at = jnp.maximum(fb.logits_idx, 0)
+            bank = [v[at] for v in bank]
+            p = p[at]
         out = attn_res(bank, p, self.output_attn_res, eps) if cfg.uses_attn_res else p
         normed = gather(self.norm(out).astype(cdt))
-        logits = jnp.einsum("btd,vd->btv", normed, self.lm_head.weight[...].astype(normed.dtype),
+        logits = jnp.einsum("td,vd->tv", normed, self.lm_head.weight[...].astype(normed.dtype),
                             preferred_element_type=jnp.float32)
         new_cache = Cache(kda_state=kda_state, kda_conv=kda_conv, mla_kv=mla_kv)
         if not capture:

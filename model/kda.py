@@ -12,12 +12,15 @@ State that outlives a step is passed in and returned explicitly, per row:
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ..kernels import ops
 from .layers import F32, Linear, matmul, param, rms_normalize
+from .step import local_rows
 
 L2_EPS = 1e-6
 
@@ -74,39 +77,66 @@ class KDA(nnx.Module):
             return self.g_proj(x)
         return self.g_b_proj(self.g_a_proj(x))
 
-    def __call__(self, x, conv_state, state, valid, seq_lens, aux=None):
+    def gates(self, x):
+        """Per-token log-decay ``g [.., H, dk]`` and write strength ``beta [.., H]`` (fp32)."""
         cfg = self.cfg
-        B, T, _ = x.shape
         H, dk = cfg.kda_num_heads, cfg.kda_head_dim
-        P = H * dk
-        raw = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
-        conv_w = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=0)
-        y, new_conv = causal_conv(raw, conv_state, conv_w, seq_lens)
-        y = jax.nn.silu(y)
-        q, k, v = (t.reshape(B, T, H, dk) for t in (y[..., :P], y[..., P : 2 * P], y[..., 2 * P :]))
-
-        f = self.f_b_proj(self.f_a_proj(x)).astype(F32).reshape(B, T, H, dk)
+        f = self.f_b_proj(self.f_a_proj(x)).astype(F32).reshape(*x.shape[:-1], H, dk)
         a = jnp.exp(self.A_log[...])[:, None]  # [H, 1]
         f = f + self.dt_bias[...].reshape(H, dk)
         if cfg.gate_lower_bound is not None:
             g = cfg.gate_lower_bound * jax.nn.sigmoid(a * f)
         else:
             g = -a * jax.nn.softplus(f)
-        beta = jax.nn.sigmoid(matmul(x, self.b_proj.weight[...]).astype(F32))  # [B,T,H]
-        g = jnp.where(valid[..., None, None], g, 0.0)
-        beta = jnp.where(valid[..., None], beta, 0.0)
+        beta = jax.nn.sigmoid(matmul(x, self.b_proj.weight[...]).astype(F32))
+        return g, beta
+
+    def output(self, x, o):
+        """Per-head RMSNorm of the core output times the sigmoid output gate, then o_proj."""
+        cfg = self.cfg
+        H, dk = cfg.kda_num_heads, cfg.kda_head_dim
+        gate = self.output_gate(x).astype(F32).reshape(*x.shape[:-1], H, dk)
+        o = rms_normalize(o, cfg.rms_norm_eps) * self.o_norm[...] * jax.nn.sigmoid(gate)
+        return self.o_proj(o.reshape(*x.shape[:-1], H * dk).astype(x.dtype))
+
+    def flat(self, x, conv_rows, state_rows, fb, aux=None, par=None):
+        """The layer on a flattened step (``model.step.FlatBatch``): x [T, D]; conv_rows
+        [R, W-1, 3P] and state_rows [R, H, dk, dv] read for the step's rows (fresh rows zeroed).
+        Returns (out [T, D], (new conv rows, new state rows, snapshot conv [NS, ..],
+        snapshot state [NS, ..]))."""
+        cfg = self.cfg
+        T = x.shape[0]
+        H, dk = cfg.kda_num_heads, cfg.kda_head_dim
+        P = H * dk
+        raw = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        conv_w = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=0)
+        g, beta = self.gates(x)
+        valid = fb.valid
+        g = jnp.where(valid[:, None, None], g, 0.0)
+        beta = jnp.where(valid[:, None], beta, 0.0)
         if aux is not None:
             aux["kda_log_decay"] = g
             aux["kda_beta"] = beta
+        core = functools.partial(_flat_core, H=H, dk=dk, P=P)
+        args = (raw, conv_w, g, beta, conv_rows, state_rows, fb.tok_row, fb.cu_q_lens, fb.q_lens, fb.start_pos,
+                fb.snap_row, fb.snap_len)
+        o, new = core(*args) if par is None else par.kda_core(core, *args)
+        del T
+        return self.output(x, o), new
 
-        qn = l2_normalize(q) * (dk ** -0.5)
-        kn = l2_normalize(k)
-        if T == 1:
-            o, new_state = ops.kda_recurrent(qn, kn, v, g, beta, state)
-        else:
-            o, new_state = ops.kda_chunked(qn, kn, v, g, beta, state)
 
-        gate = self.output_gate(x).astype(F32).reshape(B, T, H, dk)
-        o = rms_normalize(o, cfg.rms_norm_eps) * self.o_norm[...] * jax.nn.sigmoid(gate)
-        out = self.o_proj(o.reshape(B, T, P).astype(x.dtype))
-        return out, new_conv, new_state
+def _flat_core(raw, conv_w, g, beta, conv_rows, state_rows, tok_row, cu_q_lens, q_lens, start_pos, snap_row, snap_len,
+               *, H, dk, P):
+    """Conv, activation, normalisation and the ragged recurrence of one KDA layer on a
+    flattened step; everything per row lives in ``conv_rows`` / ``state_rows``."""
+    T, R = raw.shape[0], q_lens.shape[0]
+    tok_row, snap_row = local_rows(tok_row, R), local_rows(snap_row, R)
+    y, new_conv, snap_conv = ops.ragged_causal_conv(raw, conv_rows, conv_w, tok_row, cu_q_lens, q_lens, snap_row,
+                                                    snap_len)
+    y = jax.nn.silu(y)
+    q, k, v = (t.reshape(T, H, dk) for t in (y[:, :P], y[:, P : 2 * P], y[:, 2 * P :]))
+    qn = l2_normalize(q) * (dk ** -0.5)
+    kn = l2_normalize(k)
+    o, new_state, snap_state = ops.kda_ragged(qn, kn, v, g, beta, state_rows, tok_row, cu_q_lens, q_lens, start_pos,
+                                              snap_row, snap_len)
+    return o, (new_conv, new_state, snap_conv, snap_state)

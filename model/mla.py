@@ -15,6 +15,7 @@ from flax import nnx
 
 from ..kernels import ops
 from .layers import F32, Linear, RMSNorm
+from .step import local_rows
 
 
 class MLA(nnx.Module):
@@ -46,27 +47,27 @@ class MLA(nnx.Module):
         c, kr = ckv[..., : self.cfg.kv_lora_rank], ckv[..., self.cfg.kv_lora_rank :]
         return jnp.concatenate([self.kv_a_layernorm(c), kr], axis=-1)
 
-    def __call__(self, x, kv_pool, layer, page_table, positions, valid, kv_lens, par=None):
-        """kv_pool [nMLA, pages, page_size, W]; ``layer`` indexes this layer's pool."""
+    def flat(self, x, kv_pool, layer, fb, par=None):
+        """The layer on a flattened step (``model.step.FlatBatch``): x [T, D]; writes the step's
+        latent rows into this layer's pages and attends. Returns (out [T, D], pool, rows)."""
         cfg = self.cfg
-        B, T, _ = x.shape
+        T = x.shape[0]
         H, nope, R, dv, Lr = cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        q = self.query(x).reshape(B, T, H, nope + R)
+        q = self.query(x).reshape(T, H, nope + R)
         q_nope, q_rope = q[..., :nope], q[..., nope:]
         rows = self.latent_rows(x)
-
         wkv = self.kv_b_proj.weight[...].reshape(H, nope + dv, Lr)
         w_uk, w_uv = wkv[:, :nope], wkv[:, nope:]
-        q_lat = jnp.einsum("bthn,hnl->bthl", q_nope.astype(F32), w_uk.astype(F32))
+        q_lat = jnp.einsum("thn,hnl->thl", q_nope.astype(F32), w_uk.astype(F32))
         scale = cfg.qk_head_dim ** -0.5
         if par is None:
-            kv_pool = ops.write_kv_pages(kv_pool, rows, page_table, positions, valid, layer=layer)
-            out_lat = ops.mla_paged_attention(q_lat, q_rope, kv_pool, page_table, positions, kv_lens, scale, Lr,
-                                              layer=layer)
+            tok_row = local_rows(fb.tok_row, fb.num_rows)
+            kv_pool = ops.write_kv_rows(kv_pool, rows, fb.page_table, tok_row, fb.pos, layer=layer)
+            out_lat = ops.mla_ragged_attention(q_lat, q_rope, kv_pool, fb.page_table, tok_row, fb.pos, fb.kv_lens,
+                                               fb.cu_q_lens, fb.q_lens, scale, Lr, layer=layer)
         else:  # decode context parallelism / attention DP (sharding.parallel)
-            kv_pool, out_lat = par.mla_attention(q_lat, q_rope, rows, kv_pool, layer, page_table, positions, valid,
-                                                 kv_lens, scale, Lr)
-        o = jnp.einsum("bthl,hvl->bthv", out_lat, w_uv.astype(F32)).reshape(B, T, H * dv)
+            kv_pool, out_lat = par.mla_attention_flat(q_lat, q_rope, rows, kv_pool, layer, fb, scale, Lr)
+        o = jnp.einsum("thl,hvl->thv", out_lat, w_uv.astype(F32)).reshape(T, H * dv)
         if cfg.mla_output_gate:
             o = o * jax.nn.sigmoid(self.g_proj(x).astype(F32))
         return self.o_proj(o.astype(x.dtype)), kv_pool, rows

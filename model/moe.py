@@ -75,7 +75,9 @@ class MoE(nnx.Module):
             self.shared_experts = GatedMLP(cfg, D, cfg.moe_intermediate_size * cfg.num_shared_experts, dtype)
         self.act = gated_act(cfg)
 
-    def __call__(self, x, aux=None, par=None):
+    def __call__(self, x, aux=None, par=None, valid=None):
+        """``valid`` (bool, x's leading shape): tokens that are padding of a token bucket are
+        never routed to an expert."""
         cfg = self.cfg
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
@@ -87,8 +89,8 @@ class MoE(nnx.Module):
         z = self.routed_expert_down_proj(xf) if cfg.latent_moe else xf
         compute = jnp.float32 if x.dtype == jnp.float32 else x.dtype
         ffn = ops.expert_ffn if par is None else par.expert_ffn
-        r = ffn(z, idx, w, self.experts.weight("w1"), self.experts.weight("w2"),
-                           self.experts.weight("w3"), self.act, cfg.num_experts, compute).astype(x.dtype)
+        r = ffn(z, idx, w, self.experts.weight("w1"), self.experts.weight("w2"), self.experts.weight("w3"), self.act,
+                cfg.num_experts, compute, valid=None if valid is None else valid.reshape(-1)).astype(x.dtype)
         if cfg.latent_moe:
             if cfg.latent_moe_use_norm:
                 r = self.routed_expert_norm(r)

@@ -8,7 +8,8 @@ Subcommands:
   bench      ``bench --server HOST:PORT --trace T.jsonl``: replay a Mooncake trace over gRPC
              (server/client/replay.py); ``bench offline``: engine throughput at several
              concurrencies; ``bench prefix``: the agentic trace with prefix caching on and off;
-             ``bench host``: host time per decode step at several context lengths
+             ``bench host``: host time per decode step at several context lengths;
+             ``bench step``: decode step time by row count and the memory roofline
 
 Compiled programs are cached on disk (``$K3SERVE_CACHE/jax``, default
 ``~/.cache/k3serve/jax``) so a second start skips XLA compilation.
@@ -164,6 +165,10 @@ def cmd_bench(args) -> int:
         from .bench import host as bench_host
 
         return bench_host.main(rest[1:])
+    if rest and rest[0] == "step":
+        from .bench import step as bench_step
+
+        return bench_step.main(rest[1:])
     from .client.replay import bench_main
 
     return bench_main(rest)
@@ -320,6 +325,7 @@ BENCH_USAGE = """usage: k3serve bench --server HOST:PORT --trace T.jsonl [--conc
        k3serve bench prefix [--model DIR|demo] [--sessions 8] [--max-num-seqs 4] ...
        k3serve bench loop [--model DIR] [--streams 8] [--probes 20]   (submit/abort latency in steps)
        k3serve bench host [--model DIR|demo] [--contexts 1024,16384] [--rows 4] [--penalties] [--stop] ...
+       k3serve bench step [--model DIR|demo] [--rows 1,8,32] [--context 128]   (decode step time, roofline)
 (each accepts --help for its flags)"""
 
 

@@ -3,7 +3,7 @@
 ``model/`` never names a mesh axis. The runner hands the model a :class:`StepParallel`
 (``par``); where the model has a ``par`` it asks it for
 
-* ``mla_attention`` — write this step's latent rows into the paged MLA pool and attend,
+* ``mla_attention_flat`` — write this step's latent rows into the paged MLA pool and attend,
   with **decode context parallelism** and **attention DP**: inside a ``shard_map`` over the
   whole mesh every rank holds one block of the pool's pages (the page dim is split over
   ``("dp",) + dcp_axes``); the engine's allocator deals page k of a sequence of DP group g to
@@ -14,16 +14,17 @@
   partial output and log-sum-exp per head; the partials are merged exactly over the DCP
   ranks (``pmax`` of the LSE, then ``psum`` of the rescaled outputs and weights). Query heads
   are split over the attention axes DCP does not use (all heads on every rank at full DCP:
-  the all-gather of the query); rows are split over ``"dp"`` (each DP group's rows only see
-  its own pages and slots);
+  the all-gather of the query); tokens and rows are split over ``"dp"`` (each DP group's
+  block of the flattened step only sees its own pages and slots);
+* ``kda_core`` — the ragged KDA conv and recurrence per DP group;
 * ``take_slots`` / ``put_slots`` — the KDA state and conv rows of the step's slots, by DP
   group (each group's slots live on its own devices; heads stay split over the group);
 * ``expert_ffn`` — the routed experts with explicit EP dispatch/combine (``sharding.ep``);
 * ``sp_scatter`` / ``sp_gather`` — sequence parallelism for the token-wise ops between
-  layers: the sublayer output is constrained to rows split over ``sp_axes`` (XLA turns the
+  layers: the sublayer output is constrained to tokens split over ``sp_axes`` (XLA turns the
   row-parallel output projection's sum into a reduce-scatter) and the normalised input of the
-  next projection back to whole rows (an all-gather) — only on steps with at least
-  ``sp_min_rows`` rows whose row count divides by the SP size.
+  next projection back to whole tokens (an all-gather) — only on steps with at least
+  ``sp_min_rows`` tokens whose count divides by the SP size.
 
 Everything else in the step runs under XLA's Auto partitioner with the parameter placement of
 ``sharding.mesh``.
@@ -37,7 +38,6 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..kernels.mla import mla_paged_attention
 from .mesh import ATTN, dcp_axes, sp_axes
 from .recipe import Recipe
 
@@ -103,43 +103,39 @@ class StepParallel:
                                              for k, v in sh.items()})
 
     # ------------------------------------------------------------------ MLA with DCP / DP
-    def mla_attention(self, q_lat, q_rope, rows, kv_pool, layer: int, page_table, positions, valid, kv_lens,
-                      scale: float, latent_dim: int):
-        """Write ``rows`` [B,T,W] into the pool, attend; returns (pool, out_lat [B,T,H,latent])."""
-        B = q_lat.shape[0]
-        if B % self.dp:
-            raise ValueError(f"{B} rows do not split over dp={self.dp} attention groups")
+    def mla_attention_flat(self, q_lat, q_rope, rows, kv_pool, layer: int, fb, scale: float, latent_dim: int):
+        """Write the step's latent ``rows`` [T, W] into the pool and attend (flattened step,
+        ``model.step.FlatBatch``); returns (pool, out_lat [T, H, latent])."""
+        from ..kernels.mla_ragged import mla_ragged_attention, write_kv_rows
+        from ..model.step import local_rows
+
         dcp, sizes, dcp_ax = self.dcp, self.sizes, self.dcp_axes
         page_axes = self.page_axes
-        page_size = kv_pool.shape[2]
         rows_ax, heads = self.rows_axis, self._ax(self.head_axes)
-        q_spec = P(rows_ax, None, heads, None)
+        q_spec = P(rows_ax, heads, None)
         r_spec = P(rows_ax)
         pool_spec = P(None, self._ax(page_axes), None, None)
 
-        def local(q_lat, q_rope, rows, pool, table, pos, valid, kv_lens):
+        def local(q_lat, q_rope, new_rows, pool, table, tok_row, pos, kv_lens, cu, q_lens):
+            R = q_lens.shape[0]
+            tok_row = local_rows(tok_row, R)
             ppr = pool.shape[1]  # pages in this rank's block
             base = _flat_index(page_axes, sizes) * ppr if page_axes else jnp.int32(0)
-            # write: only rows whose page lives in this rank's block
-            k = jnp.clip(pos // page_size, 0, table.shape[1] - 1)
-            gid = jnp.take_along_axis(table, k, axis=1)
-            lid = gid - base
-            mine = valid & (lid >= 0) & (lid < ppr)
-            lid = jnp.where(mine, lid, ppr)  # out of range -> dropped
-            pool = pool.at[layer, lid, pos % page_size].set(rows.astype(pool.dtype), mode="drop")
+            # write: only rows whose page lives in this rank's block (other ids are dropped)
+            local_table = jnp.where((table - base >= 0) & (table - base < ppr), table - base, -1)
+            pool = write_kv_rows(pool, new_rows, local_table, tok_row, pos, layer=layer)
             # attend over this rank's columns of the page table: pages r, r + dcp, ...
             if dcp > 1:
                 r = _flat_index(dcp_ax, sizes)
                 J = -(-table.shape[1] // dcp)
                 first_rank = (table[:, 0] // ppr) % dcp  # each row's starting rank o
-                ords = (r - first_rank)[:, None] % dcp + dcp * jnp.arange(J, dtype=jnp.int32)[None, :]  # [B, J]
-                cols = jnp.take_along_axis(table, jnp.clip(ords, 0, table.shape[1] - 1), axis=1)
+                ords = (r - first_rank)[:, None] % dcp + dcp * jnp.arange(J, dtype=jnp.int32)[None, :]  # [R, J]
+                cols = jnp.take_along_axis(local_table, jnp.clip(ords, 0, table.shape[1] - 1), axis=1)
                 cols = jnp.where(ords < table.shape[1], cols, -1)
             else:
-                ords = None
-                cols = table
-            out, lse = mla_paged_attention(q_lat, q_rope, pool, cols - base, pos, kv_lens, scale, latent_dim,
-                                           layer=layer, page_ordinals=ords, return_lse=True)
+                ords, cols = None, local_table
+            out, lse = mla_ragged_attention(q_lat, q_rope, pool, cols, tok_row, pos, kv_lens, cu, q_lens, scale,
+                                            latent_dim, layer=layer, page_ordinals=ords, return_lse=True)
             if dcp > 1:  # exact merge of the ranks' partials
                 M = jax.lax.pmax(lse, dcp_ax)
                 M = jnp.where(jnp.isfinite(M), M, 0.0)
@@ -150,9 +146,23 @@ class StepParallel:
             return pool, out
 
         fn = jax.shard_map(local, mesh=self.mesh,
-                           in_specs=(q_spec, q_spec, r_spec, pool_spec, r_spec, r_spec, r_spec, r_spec),
+                           in_specs=(q_spec, q_spec, r_spec, pool_spec, r_spec, r_spec, r_spec, r_spec, r_spec, r_spec),
                            out_specs=(pool_spec, q_spec), check_vma=False)
-        return fn(q_lat, q_rope, rows, kv_pool, page_table, positions, valid, kv_lens)
+        return fn(q_lat, q_rope, rows, kv_pool, fb.page_table, fb.tok_row, fb.pos, fb.kv_lens, fb.cu_q_lens, fb.q_lens)
+
+    # ------------------------------------------------------------------ KDA core by DP group
+    def kda_core(self, core, raw, conv_w, g, beta, conv_rows, state_rows, tok_row, cu, q_lens, start_pos, snap_row,
+                 snap_len):
+        """``core`` (``model.kda._flat_core``) per DP group: each group's tokens, rows and
+        snapshot entries in their own block (``model.step``), so the ragged loops run on one
+        group's layout. Without DP the step's partitioner places it."""
+        args = (raw, conv_w, g, beta, conv_rows, state_rows, tok_row, cu, q_lens, start_pos, snap_row, snap_len)
+        if self.dp == 1:
+            return core(*args)
+        d = P("dp")
+        specs = (d, P(), d, d, d, d, d, d, d, d, d, d)
+        return jax.shard_map(core, mesh=self.mesh, in_specs=specs, out_specs=(d, (d, d, d, d)),
+                             check_vma=False)(*args)
 
     # ------------------------------------------------------------------ KDA slots by DP group
     def take_slots(self, pool, slots):
@@ -170,8 +180,9 @@ class StepParallel:
                              check_vma=False)(pool, slots)
 
     def put_slots(self, pool, slots, rows):
+        """``pool.at[:, slots].set(rows)``; slots out of range are dropped."""
         if self.dp == 1:
-            return pool.at[:, slots].set(rows)
+            return pool.at[:, slots].set(rows, mode="drop")
         spec = self._slot_spec(pool)
 
         def local(pool, slots, rows):

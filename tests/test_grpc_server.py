@@ -566,7 +566,7 @@ def test_failing_step_is_internal_not_serving_and_never_hangs(spare_engine):
     s = Served(eng)  # a new engine thread and server around the same engine
     launches = []
 
-    def failing(rows, prev=None):  # once both requests are in flight, the next launch raises
+    def failing(rows, prev=None, snaps=()):  # once both requests are in flight, the next launch raises
         launches.append(len(rows))
         t = time.monotonic() + 30
         while len(s.loop._handles) < 2 and time.monotonic() < t:

@@ -213,6 +213,10 @@ def _fuzz(seed, interval, budget_pages, dp, dcp, *, async_=False, host_bytes=0, 
         mgr.flush_copies()
         launched = None
         if plan.rows:
+            # the step: every row reads its state (a hit: from its snapshot slot) before any
+            # state is written (its own slot, and the snapshots planned inside its chunk)
+            snaps = pc.plan_snapshots(plan.rows, per_group=4 // dp)
+            writes = {}
             for row in plan.rows:
                 req, start, n = row.req, row.start, row.num_tokens
                 if start + n > req.num_known:  # the runner's rule: only a decode row's input may be pending
@@ -221,8 +225,10 @@ def _fuzz(seed, interval, budget_pages, dp, dcp, *, async_=False, host_bytes=0, 
                 toks = req.prompt + req.output + on_device[req.rid]
                 assert len(toks) == req.num_tokens
                 slot = mgr.slot_of(req.rid)
+                read = slot if req.read_slot is None else req.read_slot
+                req.read_slot = None
                 if start > 0:
-                    assert mgr.slot_state.get(slot) == tuple(toks[:start]), f"step {step}: {req.rid} state is not of its prefix"
+                    assert mgr.slot_state.get(read) == tuple(toks[:start]), f"step {step}: {req.rid} state is not of its prefix"
                 pages = mgr.pages_of(req.rid)
                 for pos in range(start):
                     got = mgr.page_rows[pages[pos // ps]][pos % ps]
@@ -234,10 +240,16 @@ def _fuzz(seed, interval, budget_pages, dp, dcp, *, async_=False, host_bytes=0, 
                     assert page not in others, f"{req.rid} writes page {page}, which another request maps"
                     assert (page, pos % ps // unit) not in claimed, f"step {step}: {req.rid} writes row {pos} (start {start}, n {n}, pages {pages}, prompt {len(req.prompt)}, cached {req.cached_tokens}) the prefix cache holds"
                     mgr.page_rows.setdefault(pages[pos // ps], [None] * ps)[pos % ps] = toks[pos]
-                mgr.slot_state[slot] = tuple(toks[: start + n])
+                writes[slot] = tuple(toks[: start + n])
                 n_checked += 1
                 n_hit_rows += start > 0 and req.cached_tokens and start == req.cached_tokens
                 n_host_rows += start > 0 and start == mgr.reloaded.get(req.rid)
+            for i, n_tok, snap_slot in snaps:
+                row = plan.rows[i]
+                assert 0 < n_tok <= row.num_tokens and snap_slot not in writes
+                toks = row.req.prompt + row.req.output + on_device[row.req.rid]
+                writes[snap_slot] = tuple(toks[: row.start + n_tok])
+            mgr.slot_state.update(writes)
             pc.after_launch(plan.rows)
             for i, row in enumerate(plan.rows):  # what the engine does after the launch
                 req = row.req

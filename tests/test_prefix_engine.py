@@ -19,7 +19,7 @@ from k3serve.server.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
 KW = dict(max_num_seqs=2, max_num_batched_tokens=48, chunk_size=16, page_size=8, max_model_len=160,
-          warmup=False, num_pages=32, page_buckets=[20])
+          warmup=False, num_pages=32)
 
 
 @pytest.fixture(scope="module")

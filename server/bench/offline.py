@@ -3,8 +3,10 @@
     python -m k3serve.server.bench.offline [--model DIR | demo] [--concurrency 1,8,32]
         [--prompt-len 32] [--gen-len 32] [--peer-python /path/to/venv/bin/python]
 
-For each concurrency c, c greedy requests (random prompts of equal length, eos ignored)
-are submitted at once and run to completion; throughput = generated tokens / wall time.
+For each concurrency c, c greedy requests (random prompts of equal length, ids drawn from
+``numpy.random.default_rng(0).integers(2, 4000)``, eos ignored) are submitted at once and run
+to completion, twice: the first run is a warm-up and is not timed (``--untimed-runs``);
+throughput = generated tokens / wall time of the second.
 Also reported: warm-up time (all shape buckets compiled before timing), the share of step
 wall time the host is not blocked waiting for the device (``host_fraction``: planning,
 input packing, dispatch, output handling), and the compile count after warm-up (must not
@@ -29,24 +31,30 @@ import numpy as np
 from .report import emit
 
 
-def run_k3serve(model_dir, conc, prompt_len, gen_len, seed=0, modes=("async",), **engine_kw):
+def prompts_for(rng, c: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    """The workload's prompts (``../shared/bench/README.md``): ids in ``[2, 4000)``."""
+    return [rng.integers(2, min(vocab, 4000), prompt_len).tolist() for _ in range(c)]
+
+
+def run_k3serve(model_dir, conc, prompt_len, gen_len, seed=0, modes=("async",), untimed_runs=1, **engine_kw):
     from k3serve.model import load_pretrained
     from k3serve.server.engine.engine import Engine
     from k3serve.server.engine.sampling_params import SamplingParams
 
     m = load_pretrained(model_dir)
     max_seqs = max(conc)
-    eng = Engine(m, max_num_seqs=max_seqs, max_num_batched_tokens=max(256, max_seqs), chunk_size=64,
-                 page_size=16, max_model_len=prompt_len + gen_len + 16, **engine_kw)
+    eng = Engine(m, max_num_seqs=max_seqs, max_num_batched_tokens=max(256, max_seqs), page_size=16,
+                 max_model_len=prompt_len + gen_len + 16, **engine_kw)
     compiles = eng.stats()["num_compiles"]
     rng = np.random.default_rng(seed)
     V = m.config.vocab_size
     results = []
     params = SamplingParams(max_new_tokens=gen_len, temperature=0, ignore_eos=True)
     for c in conc:
-        prompts = [rng.integers(0, min(V, 32000), prompt_len).tolist() for _ in range(c)]
-        for mode in modes:
+        prompts = prompts_for(rng, c, prompt_len, V)
+        for mode in [m_ for m_ in modes for _ in range(untimed_runs)] + list(modes):
             eng.async_scheduling = mode == "async"
+            eng.flush_prefix_cache()  # every run computes its prompts (the same ones) from scratch
             step0, wait0, steps0 = eng.step_s, eng.runner.wait_s, eng.num_steps
             t = time.perf_counter()
             for p in prompts:
@@ -60,6 +68,9 @@ def run_k3serve(model_dir, conc, prompt_len, gen_len, seed=0, modes=("async",), 
             results.append({"concurrency": c, "mode": mode, "tokens": n, "steps": eng.num_steps - steps0,
                             "wall_s": round(wall, 3), "tok_per_s": round(n / wall, 1),
                             "host_fraction": round(1 - wait / step, 3)})
+        # the untimed warm-up runs come first: keep only the last run of each mode
+        keep = results[:len(results) - len(modes) * (untimed_runs + 1)] + results[len(results) - len(modes):]
+        results[:] = keep
     return {"warmup_s": round(eng.warmup_s, 1), "compiles_after_warmup": eng.stats()["num_compiles"] - compiles,
             "results": results, "prompts_seed": seed}
 
@@ -73,6 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-python", help="python of a venv with torch+transformers (side-by-side run)")
     ap.add_argument("--compilation-cache-dir", default=None)
     ap.add_argument("--modes", default="async", help="comma list of async,sync (same engine, same prompts)")
+    ap.add_argument("--untimed-runs", type=int, default=1, help="warm-up runs of each concurrency before the timed one")
     ap.add_argument("--json", help="also write the results to this file")
     a = ap.parse_args(argv)
     conc = [int(c) for c in a.concurrency.split(",")]
@@ -85,7 +97,7 @@ def main(argv=None) -> int:
     report = {"model": str(model_dir), "prompt_len": a.prompt_len, "gen_len": a.gen_len}
     modes = tuple(a.modes.split(","))
     report["k3serve"] = run_k3serve(model_dir, conc, a.prompt_len, a.gen_len, modes=modes,
-                                    compilation_cache_dir=a.compilation_cache_dir)
+                                    untimed_runs=a.untimed_runs, compilation_cache_dir=a.compilation_cache_dir)
     res = report["k3serve"]["results"]
     if "async" in modes and "sync" in modes:
         tps = {(r["concurrency"], r["mode"]): r["tok_per_s"] for r in res}
@@ -93,7 +105,7 @@ def main(argv=None) -> int:
     if a.peer_python:
         peer = pathlib.Path(__file__).resolve().parents[2] / "tools" / "peer_transformers.py"  # a script of the source tree
         cmd = [a.peer_python, str(peer), "--model", str(model_dir), "--concurrency", a.concurrency,
-               "--prompt-len", str(a.prompt_len), "--gen-len", str(a.gen_len)]
+               "--prompt-len", str(a.prompt_len), "--gen-len", str(a.gen_len), "--untimed-runs", str(a.untimed_runs)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         report["transformers"] = json.loads(out.stdout.strip().splitlines()[-1])
         ours = {r["concurrency"]: r["tok_per_s"] for r in res if r["mode"] == modes[0]}

@@ -47,11 +47,11 @@ from .scheduler import Scheduler
 
 class Engine:
     def __init__(self, model, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
-                 chunk_size: int = 64, page_size: int = 16, kv_memory_bytes: int | None = None,
+                 chunk_size: int | None = None, page_size: int = 16, kv_memory_bytes: int | None = None,
                  num_pages: int | None = None, max_model_len: int = 2048, max_logprobs: int = 20,
                  warmup: bool = True, detokenizer: Callable[[], Any] | None = None,
                  compilation_cache_dir: str | None = None, async_scheduling: bool = True,
-                 page_buckets=None, split_mixed_steps: bool = True, recipe=None, devices=None,
+                 recipe=None, devices=None,
                  enable_prefix_caching: bool = True, prefix_unit: int | None = None, prefix_interval: int = 0,
                  prefix_second_hit: bool = True, prefix_output_end: bool = True,
                  prefix_snapshots: int | None = None, prefix_cache_bytes: int | None = None,
@@ -103,7 +103,7 @@ class Engine:
             p = self.capacity_plan
             self.cache_mgr.device_cache = jax.jit(lambda: allocate_cache(cfg, p.num_slots, p.num_pages, p.page_size, model.dtype),
                                        out_shardings=Cache(**self.par.cache_shardings(cfg.kda_num_heads)))()
-        chunk_size = min(chunk_size, max_num_batched_tokens)
+        chunk_size = min(chunk_size or max_num_batched_tokens, max_num_batched_tokens)
         self.prefix_cache = None
         if enable_prefix_caching:
             from .cache.prefix_cache import PrefixCache
@@ -114,9 +114,9 @@ class Engine:
         self.scheduler = Scheduler(self.cache_mgr, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, chunk_size=chunk_size,
                                    max_model_len=max_model_len, prefix_cache=self.prefix_cache)
-        self.runner = Runner(model, self.cache_mgr, max_num_seqs=max_num_seqs, chunk_size=chunk_size,
-                             max_model_len=max_model_len, max_logprobs=max_logprobs,
-                             page_buckets=page_buckets, split_mixed=split_mixed_steps, par=self.par)
+        self.runner = Runner(model, self.cache_mgr, max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                             max_logprobs=max_logprobs, par=self.par)
         self.requests: dict[str, Request] = {}
         self.broken: BaseException | None = None  # a step failed: the state is half-updated, no more steps
         self._owed: dict[str, Request] = {}  # finished outside a step (abort): final output owed
@@ -239,9 +239,11 @@ class Engine:
         for req in step_plan.preempted:
             self.runner.release(req.rid)  # its token table row is rebuilt when it runs again
         launched = None
-        self.cache_mgr.flush_copies()  # prefix hits: snapshot -> slot, shared tail page -> own copy
+        self.cache_mgr.flush_copies()  # prefix hits: shared tail page -> own copy; host-tier reloads
         if step_plan.rows:
-            launched = self.runner.launch(step_plan.rows, self._inflight)
+            snaps = self.prefix_cache.plan_snapshots(step_plan.rows, self.runner.snaps_per_group) \
+                if self.prefix_cache is not None else []
+            launched = self.runner.launch(step_plan.rows, self._inflight, snaps)
             if self.prefix_cache is not None:
                 self.prefix_cache.after_launch(step_plan.rows)
             self.num_steps += 1
@@ -253,7 +255,7 @@ class Engine:
                 touched[req.rid] = req
                 if row.samples:
                     req.pending += 1
-                    req.sample_row = (launched.step, launched.index[i])
+                    req.sample_row = (launched.step, int(launched.index[i]))
         if self.async_scheduling:
             done, self._inflight = self._inflight, launched
         else:
@@ -330,7 +332,6 @@ class Engine:
         return {
             "num_compiles": self.runner.num_compiles,
             "num_steps": self.num_steps,
-            "num_split_steps": self.runner.num_split_steps,
             "num_preemptions": self.num_preemptions,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),

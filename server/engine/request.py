@@ -80,6 +80,7 @@ class Request:
     salt: bytes = b""  # prefix-cache tenant (prefix.tenant_salt): requests of two tenants share nothing
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     boundaries: set = dataclasses.field(default_factory=set)  # extra snapshot boundaries (prefix cache)
+    read_slot: int | None = None  # a prefix hit: the snapshot slot the next step reads its KDA state from
     chain: object = None  # prefix keys over the known tokens (prefix.PrefixChain), grown lazily
     chain_len: int = 0  # tokens the chain has consumed
     stop_text: object = None  # [incremental detokenizer, last max(len(stop)) - 1 chars] (stop strings)

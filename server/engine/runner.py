@@ -1,16 +1,17 @@
 """The runner: turn a step plan into one jitted call (model step + sampling).
 
-Shapes are padded to a few buckets so nothing compiles after warm-up: rows to a power of
-two up to ``max_num_seqs``; tokens per row to 1 (decode-only steps) or ``chunk_size`` (any
-step with a prefill chunk); page-table width (pages per sequence, which sets how much KV
-the attention reads) to a few widths growing 4x up to ``ceil(max_model_len / page_size)``
-(``page_buckets``), so short sequences do not pay for the longest one. Padding rows carry no
-tokens and point at the scratch KDA slot, so they change nothing. The cache is donated to each
-call.
+A step is one call of the flattened model step (``model.step``): the plan's rows' tokens laid
+end to end — decode rows first, then prefill chunks, no per-row padding — padded to a token
+bucket ``T`` (powers of four from 16, the last one ``max_num_batched_tokens`` exactly). Row
+arrays are fixed at ``max_num_seqs`` (per attention-DP group) and the page table is always
+``ceil(max_model_len / page_size)`` wide (the attention's cost follows the real context, not
+the table width), so the token bucket is the only shape that varies: warm-up compiles one
+program per bucket and nothing after. Padding tokens belong to no row; rows without tokens
+write no KDA state. The cache is donated to each call.
 
-One host->device transfer per call: a step's int32 metadata (input tokens, positions,
-lengths, slots, page table, sampler settings; float settings bit-cast) is packed into one
-``i32[B, T + P + 16]`` array (:meth:`Runner._meta`) and unpacked inside the jitted step.
+One host->device transfer per call: a step's int32 metadata (tokens, positions, rows, page
+table, sampler settings; float settings bit-cast) is packed into one flat ``i32`` array
+(:class:`_Layout`) and unpacked inside the jitted step.
 
 Penalties and suppression read the *token table* (``sampler.token_table_row``): one device
 row per running request that uses them, built on the host when the request (re)starts
@@ -18,11 +19,10 @@ running — after a preemption it is rebuilt from the request's tokens — and u
 step itself with each sampled token, so nothing that grows with the sequence crosses to the
 device per step. The table is donated to each call like the cache.
 
-Attention DP (a recipe with ``dp > 1``): the rows of a step are laid out by DP group — group
-g's rows in block g of ``B = dp * Bg`` rows (``Bg`` the group row bucket), its padding rows on
-its own scratch slot — because the step splits rows over the mesh's ``"dp"`` axis and each
-group's rows may name only that group's slots and pages. ``par`` (the recipe's
-``sharding.parallel.StepParallel``) goes into the model call.
+Attention DP (a recipe with ``dp > 1``): group g's tokens fill block g of the token axis and
+its rows block g of the row axis (``model.step``), because the step splits both over the
+mesh's ``"dp"`` axis and each group's rows may name only that group's slots and pages. ``par``
+(the recipe's ``sharding.parallel.StepParallel``) goes into the model call.
 
 ``num_compiles`` counts traces of the step function (a trace is what triggers a compile).
 
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 
 import jax
@@ -45,29 +44,47 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ...model.cache import StepBatch
+from ...intmath import cdiv
+from ...model.step import FlatBatch, token_buckets
 from .sampler import SamplerInputs, record_tokens, row_settings, sample, token_table_row, uses_penalties
 
-_NUM_META = 16  # per-row scalars after the tokens and the page table (see Runner._meta)
 _SUPPRESS, _RECORD = 1, 2  # per-row flag bits
+# per-row int columns of the packed metadata, then 6 float columns (f32 bits)
+_COLS = ("start", "q_len", "read_slot", "write_slot", "fresh", "logits_idx", "first_tok", "from_prev", "trow",
+         "top_k", "seed", "step", "flags")
+_NUM_COLS = len(_COLS) + 6
 
 
-def default_page_buckets(width: int, minimum: int = 4) -> list[int]:
-    """Pages-per-sequence buckets: ``width`` and a few 4x-smaller ones (not below ``minimum``)."""
-    out, b = [width], width
-    while -(-b // 4) >= minimum:
-        b = -(-b // 4)
-        out.append(b)
-    return sorted(out)
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where each part of a step's packed metadata sits in the flat ``i32`` array (static per
+    token bucket): tokens ``[3, T]`` (ids, positions, rows), row columns ``[R, _NUM_COLS]``,
+    page table ``[R, P]``, ``cu_q_lens`` ``[dp, R/dp + 1]``, snapshots ``[3, NS]`` (row,
+    tokens, slot; ``NS / dp`` per DP group, in the group's block)."""
 
+    T: int
+    R: int
+    P: int
+    dp: int
+    NS: int
 
-def _pow2_buckets(limit: int) -> list[int]:
-    out, b = [], 1
-    while b < limit:
-        out.append(b)
-        b *= 2
-    out.append(limit)
-    return sorted(set(out))
+    @property
+    def parts(self):
+        return (("tok", (3, self.T)), ("rows", (self.R, _NUM_COLS)), ("table", (self.R, self.P)),
+                ("cu", (self.dp, self.R // self.dp + 1)), ("snap", (3, self.NS)))
+
+    @property
+    def size(self) -> int:
+        return sum(int(np.prod(shape)) for _, shape in self.parts)
+
+    def split(self, flat):
+        """``{name: view}`` of a numpy or traced flat array."""
+        out, o = {}, 0
+        for name, shape in self.parts:
+            n = int(np.prod(shape))
+            out[name] = flat[o:o + n].reshape(shape)
+            o += n
+        return out
 
 
 @dataclasses.dataclass
@@ -82,18 +99,15 @@ class HostSample:
 
 @dataclasses.dataclass
 class InFlight:
-    """A launched step: its rows, its step number and its device outputs.
-
-    A step may run as one or two jitted calls (parts); ``index[i]`` is where plan row ``i``'s
-    sampled token sits in the concatenation of the parts' ``tokens`` — what the next step
-    reads through ``from_prev``.
-    """
+    """A launched step: its rows, its step number and its device outputs. ``index[i]`` is
+    where plan row ``i``'s sampled token sits in ``tokens`` (the step's row axis) — what the
+    next step reads through ``from_prev``."""
 
     step: int
     rows: list
-    parts: list  # [(plan row numbers, their rows in the part's batch, SampleOutput on device)]
-    tokens: tuple  # (i32[max_rows], i32[max_rows]): sampled tokens of part 0 / part 1 by row
-    index: list[int]
+    out: object  # SampleOutput on the device
+    tokens: jax.Array  # i32[R]: sampled token of each row of the step
+    index: np.ndarray
     runner: "Runner"
     _host: HostSample | None = None
 
@@ -101,48 +115,36 @@ class InFlight:
         """Block until the step is done; the sampled tokens / logprobs on the host."""
         if self._host is None:
             t = time.perf_counter()
-            got = jax.device_get([o for _, _, o in self.parts])
+            got = jax.device_get(self.out)
             self.runner.wait_s += time.perf_counter() - t
-            n = len(self.rows)
-            fields = {}
-            for name in ("tokens", "logprob", "top_ids", "top_logprobs"):
-                first = getattr(got[0], name)
-                arr = np.zeros((n,) + first.shape[1:], first.dtype)
-                for (pos, at, _), o in zip(self.parts, got):
-                    arr[pos] = getattr(o, name)[at]
-                fields[name] = arr
-            self._host = HostSample(**fields)
+            self._host = HostSample(**{name: np.asarray(getattr(got, name))[self.index]
+                                       for name in ("tokens", "logprob", "top_ids", "top_logprobs")})
         return self._host
 
 
 class Runner:
-    def __init__(self, model, cache_mgr, *, max_num_seqs: int, chunk_size: int, max_model_len: int,
-                 max_logprobs: int = 20, page_buckets=None, split_mixed: bool = True, par=None):
+    def __init__(self, model, cache_mgr, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 max_logprobs: int = 20, par=None, min_token_bucket: int = 16):
         self.model = model
         self.cache_mgr = cache_mgr
         self.page_size = cache_mgr.capacity_plan.page_size
         self.par = par
         self.dp = dp = par.dp if par is not None else 1
-        self.group_buckets = _pow2_buckets(-(-max_num_seqs // dp))  # rows per DP group
-        self.row_buckets = [dp * b for b in self.group_buckets]
-        self.tok_buckets = sorted({1, chunk_size})
-        self.page_width = math.ceil(max_model_len / self.page_size)
-        pb = sorted({min(int(b), self.page_width) for b in page_buckets}) if page_buckets else \
-            default_page_buckets(self.page_width)
-        if pb[-1] != self.page_width:
-            pb.append(self.page_width)
-        self.page_buckets = pb
-        self.shapes_used: set[tuple[int, int, int]] = set()  # (rows, tokens, pages) launched
+        self.group_rows = cdiv(max_num_seqs, dp)  # rows per DP group
+        self.R = R = dp * self.group_rows
+        self.snaps_per_group = self.group_rows  # prefix snapshot entries a step can write
+        # tokens per DP group: a group may carry the whole budget
+        self.token_buckets = token_buckets(max_num_batched_tokens, min(min_token_bucket, max_num_batched_tokens))
+        self.page_width = cdiv(max_model_len, self.page_size)
+        self.num_slots = cache_mgr.capacity_plan.num_slots
+        self.buckets_used: set[int] = set()  # token buckets launched
         self.max_logprobs = max_logprobs
-        self.max_rows = self.row_buckets[-1]
-        self.split_mixed = split_mixed
-        self._compiled: dict = {}  # (rows, tokens, pages) -> AOT-compiled step (warm-up)
-        self.num_split_steps = 0  # mixed steps run as a prefill call + a decode call
+        self._compiled: dict = {}  # token bucket -> AOT-compiled step (warm-up)
         self.num_compiles = 0
         self.launch_s = 0.0  # host time building inputs and dispatching
         self.wait_s = 0.0  # host time blocked waiting for step results
         self.num_steps = 0
-        self._zero_prev = jnp.zeros(self.max_rows, jnp.int32)
+        self._zero_prev = jnp.zeros(R, jnp.int32)
         self.vocab_size = V = model.config.vocab_size
         # token table: row 0 for rows that use none, then one per running request that does
         self.table = jnp.zeros((max_num_seqs + 1, V), jnp.int32)
@@ -152,157 +154,151 @@ class Runner:
 
             keep = {"out_shardings": NamedSharding(par.mesh, PartitionSpec())}
             self.table = jax.device_put(self.table, keep["out_shardings"])
+            self._zero_prev = jax.device_put(self._zero_prev, keep["out_shardings"])
         self._table_row: dict[str, int] = {}
         self._table_free = list(range(max_num_seqs, 0, -1))
         self._set_row = jax.jit(lambda table, i, row: table.at[i].set(row), donate_argnums=(0,), **keep)
         self.table_inits = 0  # rows built on the host (admissions and re-admissions that need one)
-        self._fns: dict = {}  # (T, P) -> jitted step
+        self._fns: dict = {}  # token bucket -> jitted step
         graphdef = model.graphdef
-        M = self.max_rows
 
-        def fn(params, cache, table, meta, prev_a, prev_b, *, T, P):
+        def fn(params, cache, table, meta, prev, *, lay: _Layout):
             self.num_compiles += 1  # Python side effect: runs only while tracing
-            B = meta.shape[0]
-            col = lambda k: meta[:, T + P + k]  # noqa: E731
-            start, lens, slots, last, from_prev, trow, top_k, seed, step, flags = (col(k) for k in range(10))
-            fl = jax.lax.bitcast_convert_type(meta[:, T + P + 10: T + P + 16], jnp.float32)
-            prev_tokens = jnp.concatenate([prev_a, prev_b])
-            has_prev = from_prev >= 0
-            prev = prev_tokens[jnp.maximum(from_prev, 0)]
-            ids = meta[:, :T].at[:, 0].set(jnp.where(has_prev, prev, meta[:, 0]))
-            batch = StepBatch(ids, start, lens, slots, meta[:, T:T + P])
-            logits, cache = nnx.merge(graphdef, params)(batch, cache, par=par, logits_at=last)
+            m = lay.split(meta)
+            rows = m["rows"]
+            col = {name: rows[:, k] for k, name in enumerate(_COLS)}
+            fl = jax.lax.bitcast_convert_type(rows[:, len(_COLS):], jnp.float32)
+            ids, pos, tok_row = m["tok"][0], m["tok"][1], m["tok"][2]
+            # decode rows whose input is the previous step's sample (still on the device)
+            has_prev = col["from_prev"] >= 0
+            ids = ids.at[jnp.where(has_prev, col["first_tok"], lay.T)].set(prev[jnp.maximum(col["from_prev"], 0)],
+                                                                            mode="drop")
+            snap = m["snap"]
+            fb = FlatBatch(ids=ids, pos=pos, tok_row=tok_row, cu_q_lens=m["cu"].reshape(-1), start_pos=col["start"],
+                           q_lens=col["q_len"], read_slot=col["read_slot"], write_slot=col["write_slot"],
+                           fresh=col["fresh"] != 0, page_table=m["table"], logits_idx=col["logits_idx"],
+                           snap_row=snap[0], snap_len=snap[1], snap_slot=snap[2])
+            logits, cache = nnx.merge(graphdef, params).step(fb, cache, par=par)
             if par is not None:  # the cache goes out in the layout it came in (warm-up's AOT programs fix it)
                 cache = par.pin_cache(cache)
-            rows = logits[:, 0]  # the LM head ran on each row's sampled position only
-            sinp = SamplerInputs(temperature=fl[:, 0], top_k=top_k, top_p=fl[:, 1], min_p=fl[:, 2],
+            sinp = SamplerInputs(temperature=fl[:, 0], top_k=col["top_k"], top_p=fl[:, 1], min_p=fl[:, 2],
                                  repetition_penalty=fl[:, 3], frequency_penalty=fl[:, 4], presence_penalty=fl[:, 5],
-                                 seed=jax.lax.bitcast_convert_type(seed, jnp.uint32), step=step,
-                                 suppress=(flags & _SUPPRESS) != 0, table_rows=trow, table=table)
-            out = sample(rows, sinp, max_logprobs)
-            table = record_tokens(table, trow, out.tokens, (flags & _RECORD) != 0)
-            if keep:
+                                 seed=jax.lax.bitcast_convert_type(col["seed"], jnp.uint32), step=col["step"],
+                                 suppress=(col["flags"] & _SUPPRESS) != 0, table_rows=col["trow"], table=table)
+            out = sample(logits, sinp, max_logprobs)
+            table = record_tokens(table, col["trow"], out.tokens, (col["flags"] & _RECORD) != 0)
+            tokens = out.tokens
+            if keep:  # replicated: the table, and the tokens fed back as the next call's ``prev``
                 table = jax.lax.with_sharding_constraint(table, keep["out_shardings"])
-            full = out.tokens if B == M else jnp.zeros(M, jnp.int32).at[:B].set(out.tokens)
-            if keep:  # fed back as the next call's prev_a/prev_b: the layout warm-up compiled for
-                full = jax.lax.with_sharding_constraint(full, keep["out_shardings"])
-            return out, full, cache, table
+                tokens = jax.lax.with_sharding_constraint(tokens, keep["out_shardings"])
+            return out, tokens, cache, table
 
         self._step_fn = fn
 
-    def _bucket(self, n: int, buckets: list[int]) -> int:
-        for b in buckets:
+    def layout(self, T: int) -> _Layout:
+        return _Layout(T=T * self.dp, R=self.R, P=self.page_width, dp=self.dp, NS=self.dp * self.snaps_per_group)
+
+    def _bucket(self, n: int) -> int:
+        for b in self.token_buckets:
             if n <= b:
                 return b
-        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+        raise ValueError(f"{n} tokens exceed the largest bucket {self.token_buckets[-1]}")
 
-    def launch(self, rows, prev: InFlight | None = None) -> InFlight:
+    def launch(self, rows, prev: InFlight | None = None, snaps=()) -> InFlight:
         """Dispatch one step for ``rows`` (ScheduledRow-like: req, start, num_tokens) and return
         at once. Tokens a row needs that are still on the device must come from ``prev``.
-
-        A mixed step (prefill chunks beside decode rows) runs as two calls — prefill rows at
-        ``chunk_size`` tokens, decode rows at 1 — when that at least halves the padded token
-        count (``split_mixed``); the cache flows from the first call into the second."""
+        ``snaps``: ``(row, tokens, slot)`` — write row's KDA state after that many of its
+        tokens of this step to the slot (prefix snapshots; at most ``snaps_per_group`` per
+        DP group). A request with a ``read_slot`` (a prefix hit) reads its state from there
+        this once."""
         t = time.perf_counter()
-        prev_pair = prev.tokens if prev is not None else (self._zero_prev, self._zero_prev)
-        order = list(range(len(rows)))
-        groups = [order]
-        if self.split_mixed:
-            pre = [i for i in order if rows[i].num_tokens > 1]
-            dec = [i for i in order if rows[i].num_tokens == 1]
-            if pre and dec:
-                T = self._bucket(max(rows[i].num_tokens for i in pre), self.tok_buckets)
-                merged = self._bucket(len(rows), self.row_buckets) * T
-                split = self._bucket(len(pre), self.row_buckets) * T + self._bucket(len(dec), self.row_buckets)
-                if 2 * split <= merged:
-                    groups = [pre, dec]
-                    self.num_split_steps += 1
-        parts, outs, index = [], [], [0] * len(rows)
-        for g, pos in enumerate(groups):
-            out, full, at = self._launch_part([rows[i] for i in pos], prev, prev_pair)
-            parts.append((np.asarray(pos), at, out))
-            outs.append(full)
-            for j, i in enumerate(pos):
-                index[i] = g * self.max_rows + int(at[j])
-        tokens = (outs[0], outs[1] if len(outs) > 1 else self._zero_prev)
-        self.num_steps += 1
-        self.launch_s += time.perf_counter() - t
-        return InFlight(self.num_steps, list(rows), parts, tokens, index, self)
-
-    def _layout(self, rows):
-        """(B, each row's position in the batch): rows of DP group g in block g of B / dp rows."""
-        if self.dp == 1:
-            return self._bucket(len(rows), self.row_buckets), np.arange(len(rows))
-        groups = [self.cache_mgr.group_of(r.req.rid) for r in rows]
-        Bg = self._bucket(max(groups.count(g) for g in range(self.dp)), self.group_buckets)
-        at, seen = np.zeros(len(rows), np.int64), [0] * self.dp
-        for i, g in enumerate(groups):
-            at[i] = g * Bg + seen[g]
-            seen[g] += 1
-        return self.dp * Bg, at
-
-    def _scratch_slots(self, B: int) -> np.ndarray:
-        """Each padding row on the scratch slot of the DP group its batch block belongs to."""
-        Bg = B // self.dp
-        return np.asarray([self.cache_mgr.scratch_slot(i // Bg) for i in range(B)], np.int32)
-
-    def _launch_part(self, rows, prev, prev_pair):
-        B, at = self._layout(rows)
-        T = self._bucket(max(r.num_tokens for r in rows), self.tok_buckets)
-        need = max(-(-(r.start + r.num_tokens) // self.page_size) for r in rows)
-        P = self._bucket(max(need, self._min_pages(T)), self.page_buckets)  # a shape warm-up compiled
-        self.shapes_used.add((B, T, P))
-        meta, tok, table, col, fl = self._meta(B, T, P)
-        start, lens, slots, last, from_prev, trow, top_k, seed, step, flags = col[:10]
-        f, k_, s_ = row_settings([r.req.params for r in rows], [r.req.seed for r in rows], len(rows))
-        fl[at] = f.T
-        top_k[at], seed[at] = k_, s_.view(np.int32)
-        for k, r in enumerate(rows):
-            i = at[k]
+        groups = [self.cache_mgr.group_of(r.req.rid) for r in rows] if self.dp > 1 else [0] * len(rows)
+        # decode rows first within each group, then prefill chunks (plan order otherwise)
+        order = sorted(range(len(rows)), key=lambda i: (groups[i], rows[i].num_tokens > 1))
+        per_group = [0] * self.dp
+        for i in order:
+            per_group[groups[i]] += rows[i].num_tokens
+        Tg = self._bucket(max(per_group))
+        self.buckets_used.add(Tg)
+        lay = self.layout(Tg)
+        meta = np.zeros(lay.size, np.int32)
+        m = lay.split(meta)
+        tok, rcols, table, cu = m["tok"], m["rows"], m["table"], m["cu"]
+        col = {name: rcols[:, k] for k, name in enumerate(_COLS)}
+        fl = rcols[:, len(_COLS):].view(np.float32)
+        Rg = self.group_rows
+        tok[2] = -1  # padding tokens belong to no row
+        col["logits_idx"][:] = col["from_prev"][:] = -1
+        col["write_slot"][:] = self.num_slots  # rows without tokens write nothing
+        for g in range(self.dp):
+            col["read_slot"][g * Rg:(g + 1) * Rg] = self.cache_mgr.scratch_slot(g)
+        col["fresh"][:] = 1
+        fl[:, 1] = fl[:, 3] = 1.0  # top_p, repetition_penalty
+        m["snap"][0] = -1
+        m["snap"][2] = self.num_slots
+        index = np.zeros(len(rows), np.int64)
+        used_rows, used_tok = [0] * self.dp, [0] * self.dp
+        for i in order:
+            r, g = rows[i], groups[i]
             req = r.req
+            lr, t0 = used_rows[g], used_tok[g]
+            ri, ti = g * Rg + lr, g * Tg + t0  # global row / first token
+            n = r.num_tokens
+            used_rows[g], used_tok[g] = lr + 1, t0 + n
+            cu[g, lr + 1:] = t0 + n
+            index[i] = ri
             known = req.num_known
-            if r.start + r.num_tokens > known:  # the input token is the previous step's sample
-                if (r.num_tokens != 1 or r.start != known or prev is None or req.sample_row is None
+            if r.start + n > known:  # the input token is the previous step's sample
+                if (n != 1 or r.start != known or prev is None or req.sample_row is None
                         or req.sample_row[0] != prev.step):
                     raise RuntimeError(f"{req.rid}: input token {r.start} is not available from the previous step")
-                from_prev[i] = req.sample_row[1]
+                col["from_prev"][ri] = req.sample_row[1]
             else:
-                tok[i, : r.num_tokens] = req.token_slice(r.start, r.start + r.num_tokens)
-            start[i], lens[i], last[i] = r.start, r.num_tokens, r.num_tokens - 1
-            slots[i] = self.cache_mgr.slot_of(req.rid)
-            table[i] = self.cache_mgr.page_table_row(req.rid, self.page_width)[:P]
-            step[i] = req.num_generated
+                tok[0, ti:ti + n] = req.token_slice(r.start, r.start + n)
+            tok[1, ti:ti + n] = np.arange(r.start, r.start + n)
+            tok[2, ti:ti + n] = lr
+            slot = self.cache_mgr.slot_of(req.rid)
+            col["start"][ri], col["q_len"][ri] = r.start, n
+            col["read_slot"][ri] = col["write_slot"][ri] = slot
+            if req.read_slot is not None:
+                col["read_slot"][ri] = req.read_slot
+                req.read_slot = None
+            col["fresh"][ri] = r.start == 0
+            col["first_tok"][ri], col["logits_idx"][ri] = ti, ti + n - 1
+            col["step"][ri] = req.num_generated
+            table[ri] = self.cache_mgr.page_table_row(req.rid, self.page_width)
             p = req.params
             sup = bool(req.num_generated < p.min_new_tokens and self._suppress_ids(p))
-            row = self._table_row.get(req.rid)
-            if row is None and (sup or uses_penalties(p)):
-                row = self._init_row(req)
-            if row is not None:  # once a request has a row, every token it samples is counted
-                trow[i] = row
-                flags[i] = (_SUPPRESS if sup else 0) | (_RECORD if getattr(r, "samples", True) else 0)
-        fn = self._compiled.get((B, T, P)) or self._jit(T, P)
-        out, full, self.cache_mgr.device_cache, self.table = fn(
-            self.model.params, self.cache_mgr.device_cache, self.table, jax.device_put(meta), *prev_pair)
-        return out, full, at
+            trow = self._table_row.get(req.rid)
+            if trow is None and (sup or uses_penalties(p)):
+                trow = self._init_row(req)
+            if trow is not None:  # once a request has a row, every token it samples is counted
+                col["trow"][ri] = trow
+                col["flags"][ri] = (_SUPPRESS if sup else 0) | (_RECORD if getattr(r, "samples", True) else 0)
+        snap, NSg = m["snap"], self.snaps_per_group
+        per = [0] * self.dp
+        for i, n_tok, slot in snaps:
+            g = groups[i]
+            if per[g] >= NSg:
+                raise ValueError(f"more than {NSg} snapshots for DP group {g} in one step")
+            e = g * NSg + per[g]
+            per[g] += 1
+            snap[:, e] = (index[i] - g * Rg, n_tok, slot)
+        f, k_, s_ = row_settings([r.req.params for r in rows], [r.req.seed for r in rows], len(rows))
+        fl[index] = f.T
+        col["top_k"][index], col["seed"][index] = k_, s_.view(np.int32)
+        fn = self._compiled.get(Tg) or self._jit(Tg)
+        prev_tokens = prev.tokens if prev is not None else self._zero_prev
+        out, tokens, self.cache_mgr.device_cache, self.table = fn(
+            self.model.params, self.cache_mgr.device_cache, self.table, jax.device_put(meta), prev_tokens)
+        self.num_steps += 1
+        self.launch_s += time.perf_counter() - t
+        return InFlight(self.num_steps, list(rows), out, tokens, index, self)
 
-    def _meta(self, B: int, T: int, P: int):
-        """A padded call's packed metadata ``i32[B, T + P + 16]`` and writable views of it:
-        input tokens ``[B, T]``, page table ``[B, P]``, the 10 int columns (start, lens, slot,
-        last, from_prev, table row, top_k, seed (u32 bits), step, flags) and the 6 float
-        columns ``[B, 6]`` (temperature, top_p, min_p, repetition, frequency, presence; f32
-        bits). Padding rows: no tokens, the scratch slot of their DP group, neutral greedy."""
-        meta = np.zeros((B, T + P + _NUM_META), np.int32)
-        col = meta[:, T + P:].T
-        col[2] = self._scratch_slots(B)
-        col[4] = -1  # from_prev: none
-        fl = meta[:, T + P + 10:].view(np.float32)
-        fl[:, 1] = fl[:, 3] = 1.0  # top_p, repetition_penalty
-        return meta, meta[:, :T], meta[:, T:T + P], col, fl
-
-    def _jit(self, T: int, P: int):
-        f = self._fns.get((T, P))
+    def _jit(self, T: int):
+        f = self._fns.get(T)
         if f is None:
-            f = self._fns[(T, P)] = jax.jit(functools.partial(self._step_fn, T=T, P=P), donate_argnums=(1, 2))
+            f = self._fns[T] = jax.jit(functools.partial(self._step_fn, lay=self.layout(T)), donate_argnums=(1, 2))
         return f
 
     def _suppress_ids(self, p) -> list[int]:
@@ -351,24 +347,27 @@ class Runner:
             bad = np.flatnonzero(got[i] != want)
             assert not bad.size, f"{rid}: token table row {i} differs at ids {bad[:8].tolist()}"
 
-    def shape_buckets(self) -> list[tuple[int, int, int]]:
-        """Every (rows, tokens, pages) shape a step can take (a chunk must fit its pages)."""
-        return [(B, T, P) for B in self.row_buckets for T in self.tok_buckets for P in self.page_buckets
-                if P >= self._min_pages(T)]
+    def shape_buckets(self) -> list[int]:
+        """Every token bucket a step can take (one program each)."""
+        return list(self.token_buckets)
 
-    def _min_pages(self, T: int) -> int:
-        return min(-(-T // self.page_size), self.page_width)
-
-    def _padding_args(self, B: int, T: int, P: int) -> tuple:
-        return self.table, jnp.asarray(self._meta(B, T, P)[0]), self._zero_prev, self._zero_prev
+    def _padding_args(self, T: int) -> tuple:
+        lay = self.layout(T)
+        meta = np.zeros(lay.size, np.int32)
+        m = lay.split(meta)
+        m["tok"][2] = -1
+        rows = m["rows"]
+        rows[:, _COLS.index("logits_idx")] = rows[:, _COLS.index("from_prev")] = -1
+        rows[:, _COLS.index("write_slot")] = self.num_slots
+        m["snap"][0], m["snap"][2] = -1, self.num_slots
+        return self.table, jnp.asarray(meta), self._zero_prev
 
     def warmup(self, workers: int | None = None) -> int:
-        """Compile every shape bucket ahead of time, ``workers`` programs at once; returns
-        compiles. XLA's CPU compiler already keeps 2 cores busy with one program (measured:
-        6 programs of k3-tiny-a in 71.8 s with 1 worker, 69.0 s with 4), so the default is one
-        worker below 8 host cores.
+        """Compile every token bucket ahead of time, ``workers`` programs at once; returns
+        compiles. XLA's CPU compiler already keeps 2 cores busy with one program, so the
+        default is one worker below 8 host cores.
 
-        The compiled executables are kept and called directly by ``launch``; a shape that
+        The compiled executables are kept and called directly by ``launch``; a bucket that
         was not compiled here would fall back to ``jax.jit`` (and count as a compile)."""
         import concurrent.futures as cf
         import os
@@ -378,17 +377,17 @@ class Runner:
         cpus = os.cpu_count() or 1
         workers = workers or (1 if cpus < 8 else min(8, cpus // 4))
 
-        def one(shape):
-            args = self._padding_args(*shape)
-            return shape, self._jit(*shape[1:]).lower(self.model.params, self.cache_mgr.device_cache, *args).compile()
+        def one(T):
+            args = self._padding_args(T)
+            return T, self._jit(T).lower(self.model.params, self.cache_mgr.device_cache, *args).compile()
 
         with cf.ThreadPoolExecutor(workers, thread_name_prefix="k3-compile") as ex:
-            for shape, exe in ex.map(one, shapes):
-                self._compiled[shape] = exe
+            for T, exe in ex.map(one, shapes):
+                self._compiled[T] = exe
         # run each program once (first-run allocations), with the cache flowing through
-        for shape in shapes:
-            args = self._padding_args(*shape)
-            out, _, self.cache_mgr.device_cache, self.table = self._compiled[shape](
+        for T in shapes:
+            args = self._padding_args(T)
+            out, _, self.cache_mgr.device_cache, self.table = self._compiled[T](
                 self.model.params, self.cache_mgr.device_cache, *args)
             jax.block_until_ready(out)
         return self.num_compiles - before

@@ -7,9 +7,9 @@ tokens — so one step mixes prefill chunks and decode rows. Waiting requests ar
 admitted FCFS while a KDA slot, pages and budget remain.
 
 Prefix caching (``prefix``, a ``cache.prefix_cache.PrefixCache``): an admitted request
-starts from the longest cached prefix that has both pages and a KDA snapshot, prefill chunks
-end on the request's snapshot boundaries, and cached prefixes are evicted (LRU) before any
-running request is preempted for pages. A request whose prefix another running request is
+starts from the longest cached prefix that has both pages and a KDA snapshot (snapshots are
+taken inside the step, so chunks ignore boundaries), and cached prefixes are evicted (LRU)
+before any running request is preempted for pages. A request whose prefix another running request is
 still computing waits for it (see ``prefix_cache``), without holding back those behind it.
 
 When pages run out for a running request, the newest running requests not yet scheduled in
@@ -86,14 +86,6 @@ class Scheduler:
             self.prefix_cache.release(req)
         self.cache_mgr.release(req.rid)
 
-    def _chunk(self, req: Request, n: int) -> int:
-        """``n`` cut so a prefill chunk ends on the request's next snapshot boundary."""
-        if self.prefix_cache is not None and n > 1:
-            b = self.prefix_cache.next_boundary(req, req.num_computed)
-            if b is not None and b < req.num_computed + n:
-                return b - req.num_computed
-        return n
-
     def _grow(self, req: Request, total: int) -> bool:
         """ensure_tokens, evicting cached prefixes of the request's group first."""
         while not self.cache_mgr.ensure_tokens(req.rid, total):
@@ -120,7 +112,7 @@ class Scheduler:
                 continue
             if self._complete(req):
                 continue
-            n = self._chunk(req, min(req.remaining, self.chunk_size, budget))
+            n = min(req.remaining, self.chunk_size, budget)
             while not self._grow(req, req.num_computed + n):
                 # only a request of the same attention DP group frees pages this one can use
                 group = self.cache_mgr.group_of(req.rid)
@@ -151,7 +143,7 @@ class Scheduler:
                 self._release(req)
                 req.num_computed = 0
                 break
-            n = self._chunk(req, min(req.remaining, self.chunk_size, budget))
+            n = min(req.remaining, self.chunk_size, budget)
             if not self._grow(req, req.num_computed + n):
                 self._release(req)
                 req.num_computed = 0

@@ -20,13 +20,14 @@ out — at **boundaries** (multiples of the prefix-match unit) chosen by the ret
   waits for it: the other request registers the branching point and this one resumes there
   (bursts of sub-agents on one prefix compute it once).
 
-The scheduler ends prefill chunks exactly on a request's boundaries, so the state copied
-after a chunk is the state of exactly that prefix. Copies run in the device's program order:
-a registration copy is dispatched right after the step that computed the boundary, and a
-hit's copy (snapshot -> the request's own slot, copy-on-write) before the step that extends
-it, so a request can never read a state that is still being registered. A hit that ends
-inside a page maps the whole pages read-only and gets a private copy of the partly filled
-one. ``Request.num_computed`` is the one number both cache kinds agree on.
+Snapshots are computed inside the step (``model.step``: the state after any token of a chunk,
+exactly), so prefill chunks do not end on boundaries: :meth:`plan_snapshots` names, before a
+step is launched, each boundary its chunks pass and the slot to write. A hit does not copy
+the snapshot either: the request's first step *reads* its state from the snapshot slot and
+writes its own slot. Within a step every state is read before any is written, and steps run
+in program order, so a snapshot evicted and reused while a hit reads it is still read whole.
+A hit that ends inside a page maps the whole pages read-only and gets a private copy of the
+partly filled one. ``Request.num_computed`` is the one number both cache kinds agree on.
 
 Tenants: keys are chained from a per-tenant root (``prefix.tenant_salt``), so two tenants never
 share a page or a state.
@@ -95,6 +96,7 @@ class PrefixCache:
         self.num_hits = 0
         self.num_waits = 0
         self.num_cow = 0
+        self.snapshots_skipped = 0  # boundaries a step had no snapshot entry left for
 
     # ------------------------------------------------------------------ keys
     def chain(self, req) -> list[bytes]:
@@ -160,6 +162,7 @@ class PrefixCache:
         cannot be had (the caller releases the request; nothing else changed)."""
         hashes = self.chain(req)
         req.boundaries = set(getattr(req, "boundaries", ()) or ())
+        req.read_slot = None
         n = 0
         if hit is not None and hit.host_key is not None:
             entry = self.host.take(hit.host_key)
@@ -183,11 +186,16 @@ class PrefixCache:
             ps = self.cache_mgr.page_size
             full = hit.tokens // ps
             self.cache_mgr.map_shared(req.rid, hit.pages[:full])
+            # the first step reads the snapshot and writes the own slot; until it is launched
+            # the snapshot may not be evicted (a host reload could copy into its slot first)
+            req.read_slot = hit.snapshot
+            self.index.pinned.add(hit.snapshot)
             if hit.tokens % ps:
-                if not self.cache_mgr.copy_on_write(req.rid, hit.pages[full]):
-                    return False
+                group = self.cache_mgr.group_of(req.rid)
+                while not self.cache_mgr.copy_on_write(req.rid, hit.pages[full]):
+                    if not self.reclaim(group):
+                        return False
                 self.num_cow += 1
-            self.cache_mgr.copy_slot(hit.snapshot, self.cache_mgr.slot_of(req.rid))
             req.num_computed = hit.tokens
             n = hit.tokens // self.unit
             self.num_hits += 1
@@ -223,45 +231,54 @@ class PrefixCache:
         return (pos == self.prompt_end(req) or pos == self.prompt_page_end(req)
                 or (self.interval and pos % self.interval == 0) or pos in req.boundaries)
 
-    def next_boundary(self, req, pos: int) -> int | None:
-        """The first boundary after ``pos`` (where a prefill chunk starting at ``pos`` must stop)."""
-        cands = [b for b in req.boundaries if b > pos]
-        for pe in (self.prompt_page_end(req), self.prompt_end(req)):
-            if pe > pos:
-                cands.append(pe)
-        if self.interval:
-            cands.append((pos // self.interval + 1) * self.interval)
-        return min(cands) if cands else None
-
     # ------------------------------------------------------------------ registration
-    def after_launch(self, rows) -> None:
-        """Copy out the state of every row whose chunk ended on a boundary (dispatched now, so
-        after that step and before the next), then register what can be keyed already."""
-        for row in rows:
+    def plan_snapshots(self, rows, per_group: int) -> list[tuple[int, int, int]]:
+        """The snapshots the step of ``rows`` computes: ``(row, tokens into the row's chunk,
+        slot)`` for every boundary the chunk passes and, while a request decodes, its rolling
+        tail at the last unit end the chunk reaches (output end). The step writes each state
+        and conv window into its slot (``model.step``), so chunks need not end on boundaries.
+        At most ``per_group`` per DP group: tails give way first, then the shallowest
+        boundaries (``snapshots_skipped`` counts what is left out)."""
+        want = []  # (priority, row, end, is_tail)
+        u = self.unit
+        for i, row in enumerate(rows):
             req = row.req
-            end = row.start + row.num_tokens
-            tail = self.output_end and end > len(req.prompt) and end % self.unit == 0
-            if not (self.is_boundary(req, end) or tail):
+            first = (row.start // u + 1) * u
+            ends = range(first, row.start + row.num_tokens + 1, u)
+            bounds = [e for e in ends if self.is_boundary(req, e)]
+            want += [(0, -e, i, e, False) for e in bounds]
+            if self.output_end:
+                tails = [e for e in ends if e > len(req.prompt) and e not in bounds]
+                if tails:
+                    want.append((1, -tails[-1], i, tails[-1], True))
+        out, taken = [], {}
+        for _, _, i, end, is_tail in sorted(want):
+            req = rows[i].req
+            g = self.cache_mgr.group_of(req.rid)
+            if taken.get(g, 0) >= per_group:
+                self.snapshots_skipped += 1
                 continue
             held = self._held.setdefault(req.rid, [])
-            if tail and not self.is_boundary(req, end):
-                # the rolling tail snapshot: one per request, overwritten at each unit
+            if is_tail:  # the rolling tail snapshot: one per request, overwritten at each unit
                 old = next((h for h in held if h[2]), None)
                 if old is not None:
                     held.remove(old)
                     slot = old[1]
                 else:
                     slot = self._alloc_snapshot(req)
-                if slot is None:
-                    continue
-                held.append((end, slot, True))
             else:
                 slot = self._alloc_snapshot(req)
-                if slot is None:
-                    continue
-                held.append((end, slot, False))
-            self.cache_mgr.copy_slot(self.cache_mgr.slot_of(req.rid), slot)
-        self.cache_mgr.flush_copies()
+            if slot is None:
+                continue
+            held.append((end, slot, is_tail))
+            taken[g] = taken.get(g, 0) + 1
+            out.append((i, end - rows[i].start, slot))
+        return out
+
+    def after_launch(self, rows) -> None:
+        """Register the snapshots the step just launched computes whose keys are known; the
+        hits' snapshots it read may be evicted again."""
+        self.index.pinned.clear()
         for row in rows:
             self.register_ready(row.req)
 
@@ -311,6 +328,8 @@ class PrefixCache:
 
     def release(self, req) -> None:
         """Before ``mgr.release``: register what the request holds, forget its live keys."""
+        self.index.pinned.discard(req.read_slot)
+        req.read_slot = None
         if req.rid in self.cache_mgr:
             self.register_ready(req, final=True)
         for end, slot, _ in self._held.pop(req.rid, []):
@@ -363,7 +382,7 @@ class PrefixCache:
         return {"prefix_unit": self.unit, "prefix_interval": self.interval,
                 "prefix_query_tokens": self.query_tokens, "prefix_hit_tokens": self.hit_tokens,
                 "prefix_kv_hit_tokens": self.kv_hit_tokens, "prefix_state_hit_tokens": self.hit_tokens,
-                "prefix_hits": self.num_hits, "prefix_waits": self.num_waits, "prefix_cow_pages": self.num_cow,
+                "prefix_hits": self.num_hits, "snapshots_skipped": self.snapshots_skipped, "prefix_waits": self.num_waits, "prefix_cow_pages": self.num_cow,
                 "snapshots_registered": self.index.snapshots_registered,
                 "snapshots_evicted": self.index.snapshots_evicted, "snapshots_held": self.index.num_snapshots,
                 "prefix_pages_held": self.index.num_pages,

@@ -48,6 +48,7 @@ class PrefixIndex:
         self._on_event = on_event  # (kind, [keys]) for "stored" / "removed" (SubscribeKvEvents)
         self._on_evict = on_evict  # (key, snapshot slot, units, pages) before an evicted snapshot is freed
         self._entries: dict[bytes, list] = {}  # key -> [parent, page, depth, snapshot slot | None]
+        self.pinned: set[int] = set()  # snapshot slots a step about to launch reads: not evicted
         self._children: dict[bytes, int] = {}  # key -> number of child entries
         self._page_units: dict[int, int] = {}  # page -> entries naming it
         self._snaps: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
@@ -165,10 +166,11 @@ class PrefixIndex:
         return len(hashes)
 
     def evict_one(self, protect: set | None = None, where=None) -> bool:
-        """Drop the least recently used snapshot (not one of ``protect``'s keys; only slots
-        for which ``where(slot)`` holds, if given) and the units only it needed. False if none."""
+        """Drop the least recently used snapshot (not one of ``protect``'s keys nor a
+        ``pinned`` slot; only slots for which ``where(slot)`` holds, if given) and the units only
+        it needed. False if none."""
         for key, slot in self._snaps.items():
-            if protect and key in protect:
+            if (protect and key in protect) or slot in self.pinned:
                 continue
             if where is not None and not where(slot):
                 continue
