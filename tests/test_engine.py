@@ -60,8 +60,8 @@ def test_preemption_with_tiny_page_budget():
     assert eng.stats()["prefix_query_tokens"] == sum(map(len, base))
     assert eng.scheduler.running == [] and eng.scheduler.waiting == []
     assert_all_free(eng)
-    assert eng.runner.shape_buckets() == [16, 24]
-    assert eng.stats()["num_compiles"] == len(eng.runner.buckets_used) <= 2
+    assert eng.runner.shape_buckets() == [1, 4, 16, 24]
+    assert eng.stats()["num_compiles"] == len(eng.runner.buckets_used) <= 4
 
 
 def test_stops_abort_and_bad_input(engine_a):

@@ -241,7 +241,7 @@ class Engine:
         launched = None
         self.cache_mgr.flush_copies()  # prefix hits: shared tail page -> own copy; host-tier reloads
         if step_plan.rows:
-            snaps = self.prefix_cache.plan_snapshots(step_plan.rows, self.runner.snaps_per_group) \
+            snaps = self.prefix_cache.plan_snapshots(step_plan.rows, self.runner.snap_capacity(step_plan.rows)) \
                 if self.prefix_cache is not None else []
             launched = self.runner.launch(step_plan.rows, self._inflight, snaps)
             if self.prefix_cache is not None:

@@ -2,11 +2,12 @@
 
 A step is one call of the flattened model step (``model.step``): the plan's rows' tokens laid
 end to end — decode rows first, then prefill chunks, no per-row padding — padded to a token
-bucket ``T`` (powers of four from 16, the last one ``max_num_batched_tokens`` exactly). Row
-arrays are fixed at ``max_num_seqs`` (per attention-DP group) and the page table is always
-``ceil(max_model_len / page_size)`` wide (the attention's cost follows the real context, not
-the table width), so the token bucket is the only shape that varies: warm-up compiles one
-program per bucket and nothing after. Padding tokens belong to no row; rows without tokens
+bucket ``T`` (1, 4, 16, 64, … and ``max_num_batched_tokens`` exactly as the largest). Row
+arrays have ``min(T, max_num_seqs)`` rows per attention-DP group (a row has at least one
+token, so a small step carries no idle rows — on CPU each row slot costs state traffic in
+every KDA layer) and the page table is always ``ceil(max_model_len / page_size)`` wide (the
+attention's cost follows the real context, not the table width), so the token bucket is the
+only shape that varies: warm-up compiles one program per bucket and nothing after. Padding tokens belong to no row; rows without tokens
 write no KDA state. The cache is donated to each call.
 
 One host->device transfer per call: a step's int32 metadata (tokens, positions, rows, page
@@ -124,15 +125,14 @@ class InFlight:
 
 class Runner:
     def __init__(self, model, cache_mgr, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 max_logprobs: int = 20, par=None, min_token_bucket: int = 16):
+                 max_logprobs: int = 20, par=None, min_token_bucket: int = 1):
         self.model = model
         self.cache_mgr = cache_mgr
         self.page_size = cache_mgr.capacity_plan.page_size
         self.par = par
         self.dp = dp = par.dp if par is not None else 1
         self.group_rows = cdiv(max_num_seqs, dp)  # rows per DP group
-        self.R = R = dp * self.group_rows
-        self.snaps_per_group = self.group_rows  # prefix snapshot entries a step can write
+        self.R = R = dp * self.group_rows  # the most rows a step has (its sampled tokens are kept at this size)
         # tokens per DP group: a group may carry the whole budget
         self.token_buckets = token_buckets(max_num_batched_tokens, min(min_token_bucket, max_num_batched_tokens))
         self.page_width = cdiv(max_model_len, self.page_size)
@@ -187,7 +187,7 @@ class Runner:
                                  suppress=(col["flags"] & _SUPPRESS) != 0, table_rows=col["trow"], table=table)
             out = sample(logits, sinp, max_logprobs)
             table = record_tokens(table, col["trow"], out.tokens, (col["flags"] & _RECORD) != 0)
-            tokens = out.tokens
+            tokens = out.tokens if lay.R == R else jnp.zeros(R, jnp.int32).at[:lay.R].set(out.tokens)
             if keep:  # replicated: the table, and the tokens fed back as the next call's ``prev``
                 table = jax.lax.with_sharding_constraint(table, keep["out_shardings"])
                 tokens = jax.lax.with_sharding_constraint(tokens, keep["out_shardings"])
@@ -196,7 +196,23 @@ class Runner:
         self._step_fn = fn
 
     def layout(self, T: int) -> _Layout:
-        return _Layout(T=T * self.dp, R=self.R, P=self.page_width, dp=self.dp, NS=self.dp * self.snaps_per_group)
+        Rg = self.rows_for(T)
+        return _Layout(T=T * self.dp, R=self.dp * Rg, P=self.page_width, dp=self.dp, NS=self.dp * Rg)
+
+    def rows_for(self, T: int) -> int:
+        """Rows per DP group of a step in token bucket ``T``: every row has a token, so no
+        more than ``T`` (and no more than ``max_num_seqs``); small steps carry no idle rows."""
+        return min(self.group_rows, T)
+
+    def snap_capacity(self, rows) -> int:
+        """Prefix snapshot entries per DP group the step of ``rows`` can write."""
+        return self.rows_for(self._bucket(max(self._group_tokens(rows))))
+
+    def _group_tokens(self, rows) -> list[int]:
+        per_group = [0] * self.dp
+        for r in rows:
+            per_group[self.cache_mgr.group_of(r.req.rid) if self.dp > 1 else 0] += r.num_tokens
+        return per_group
 
     def _bucket(self, n: int) -> int:
         for b in self.token_buckets:
@@ -208,17 +224,14 @@ class Runner:
         """Dispatch one step for ``rows`` (ScheduledRow-like: req, start, num_tokens) and return
         at once. Tokens a row needs that are still on the device must come from ``prev``.
         ``snaps``: ``(row, tokens, slot)`` — write row's KDA state after that many of its
-        tokens of this step to the slot (prefix snapshots; at most ``snaps_per_group`` per
+        tokens of this step to the slot (prefix snapshots; at most :meth:`snap_capacity` per
         DP group). A request with a ``read_slot`` (a prefix hit) reads its state from there
         this once."""
         t = time.perf_counter()
         groups = [self.cache_mgr.group_of(r.req.rid) for r in rows] if self.dp > 1 else [0] * len(rows)
         # decode rows first within each group, then prefill chunks (plan order otherwise)
         order = sorted(range(len(rows)), key=lambda i: (groups[i], rows[i].num_tokens > 1))
-        per_group = [0] * self.dp
-        for i in order:
-            per_group[groups[i]] += rows[i].num_tokens
-        Tg = self._bucket(max(per_group))
+        Tg = self._bucket(max(self._group_tokens(rows)))
         self.buckets_used.add(Tg)
         lay = self.layout(Tg)
         meta = np.zeros(lay.size, np.int32)
@@ -226,7 +239,7 @@ class Runner:
         tok, rcols, table, cu = m["tok"], m["rows"], m["table"], m["cu"]
         col = {name: rcols[:, k] for k, name in enumerate(_COLS)}
         fl = rcols[:, len(_COLS):].view(np.float32)
-        Rg = self.group_rows
+        Rg = lay.R // self.dp
         tok[2] = -1  # padding tokens belong to no row
         col["logits_idx"][:] = col["from_prev"][:] = -1
         col["write_slot"][:] = self.num_slots  # rows without tokens write nothing
@@ -275,7 +288,7 @@ class Runner:
             if trow is not None:  # once a request has a row, every token it samples is counted
                 col["trow"][ri] = trow
                 col["flags"][ri] = (_SUPPRESS if sup else 0) | (_RECORD if getattr(r, "samples", True) else 0)
-        snap, NSg = m["snap"], self.snaps_per_group
+        snap, NSg = m["snap"], Rg
         per = [0] * self.dp
         for i, n_tok, slot in snaps:
             g = groups[i]
