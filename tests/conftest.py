@@ -52,5 +52,5 @@ def _release_compiled_programs():
 @pytest.fixture(autouse=True)
 def _release_when_mappings_run_high():
     yield
-    if _num_mappings() > 40_000:
+    if _num_mappings() > 30_000:
         _release()
