@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
 import sys
 import time
 
 import numpy as np
 
-from .report import emit
+from .report import emit, model_dir as resolve_model
 
 
 def measure(eng, prompt, rows: int, steps: int, warm: int, params) -> dict:
@@ -115,12 +114,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stop", action="store_true", help="a (never matching) stop string on every request")
     ap.add_argument("--json", help="also write the results to this file")
     a = ap.parse_args(argv)
-    if a.model == "demo":
-        from k3serve.checkpoints.synthetic import demo_checkpoint
-
-        model_dir = demo_checkpoint()
-    else:
-        model_dir = pathlib.Path(a.model)
+    model_dir = resolve_model(a.model)
     contexts = sorted(int(c) for c in a.contexts.split(","))
     report = {"model": str(model_dir), **run(model_dir, contexts, a.rows, a.steps, chunk=a.chunk,
                                               penalties=a.penalties, stop=a.stop)}

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from .report import emit
+from .report import emit, model_dir as resolve_model
 
 
 def prompts_for(rng, c: int, prompt_len: int, vocab: int) -> list[list[int]]:
@@ -88,12 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the results to this file")
     a = ap.parse_args(argv)
     conc = [int(c) for c in a.concurrency.split(",")]
-    if a.model == "demo":
-        from k3serve.checkpoints.synthetic import demo_checkpoint
-
-        model_dir = demo_checkpoint()
-    else:
-        model_dir = pathlib.Path(a.model)
+    model_dir = resolve_model(a.model)
     report = {"model": str(model_dir), "prompt_len": a.prompt_len, "gen_len": a.gen_len}
     modes = tuple(a.modes.split(","))
     report["k3serve"] = run_k3serve(model_dir, conc, a.prompt_len, a.gen_len, modes=modes,

@@ -16,11 +16,10 @@ and cached pages (at the end and at peak). Ratios on/off are of the two passes o
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
 import time
 
-from .report import emit
+from .report import emit, model_dir as resolve_model
 
 
 def _serve_and_replay(model, trace, *, block_size: int, time_scale: float, engine_kw: dict) -> dict:
@@ -73,12 +72,7 @@ def main(argv=None) -> int:
 
     enable_compile_cache()  # the serve command's persistent XLA cache: a second run starts warm
 
-    if a.model == "demo":
-        from k3serve.checkpoints.synthetic import demo_checkpoint
-
-        model_dir = demo_checkpoint()
-    else:
-        model_dir = pathlib.Path(a.model)
+    model_dir = resolve_model(a.model)
     model = load_pretrained(model_dir, dtype="float32")
     trace = generate_trace(a.seed, a.sessions, block_size=a.block_size, preset="tiny",
                            max_context_tokens=a.max_model_len)

@@ -12,3 +12,12 @@ def emit(report: dict, json_path: str | None = None) -> int:
     if json_path:
         pathlib.Path(json_path).write_text(text)
     return 0
+
+
+def model_dir(name: str) -> pathlib.Path:
+    """A benchmark's ``--model``: a checkpoint directory, or ``demo`` (the embedded demo model)."""
+    if name == "demo":
+        from ...checkpoints.synthetic import demo_checkpoint
+
+        return pathlib.Path(demo_checkpoint())
+    return pathlib.Path(name)

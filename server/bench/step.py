@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from .report import emit
+from .report import emit, model_dir as resolve_model
 
 
 def read_bandwidth(nbytes: int = 1 << 30, runs: int = 5) -> float:
@@ -113,12 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--json", help="also write the results to this file")
     a = ap.parse_args(argv)
-    if a.model == "demo":
-        from ...checkpoints.synthetic import demo_checkpoint
-
-        model_dir = demo_checkpoint()
-    else:
-        model_dir = a.model
+    model_dir = resolve_model(a.model)
     return emit(run(model_dir, [int(r) for r in a.rows.split(",")], a.context, a.steps), a.json)
 
 
