@@ -70,14 +70,24 @@ def dequant_experts(w, dtype):
     return w.astype(dtype)
 
 
-def _take_experts(w, idx, dtype):
+def _take_experts(w, idx, dtype, layer=None):
+    """Experts ``idx`` of ``w`` ([E, ...]; [L, E, ...] with ``layer``), dequantized: one gather
+    from the whole array, never a copy of the layer's slice first."""
+    take = (lambda a: jnp.asarray(a)[idx]) if layer is None else (lambda a: jnp.asarray(a)[layer, idx])
     if isinstance(w, (tuple, list)):
-        return unpack_mxfp4(jnp.asarray(w[0])[idx], jnp.asarray(w[1])[idx], dtype=dtype)
-    return jnp.asarray(w)[idx].astype(dtype)
+        return unpack_mxfp4(take(w[0]), take(w[1]), dtype=dtype)
+    return take(w).astype(dtype)
+
+
+def _layer_slice(w, layer):
+    if isinstance(w, (tuple, list)):
+        return tuple(jnp.asarray(a)[layer] for a in w)
+    return jnp.asarray(w)[layer]
 
 
 def _shape(w):
-    return w[0].shape[:2] + (w[0].shape[2] * 2,) if isinstance(w, (tuple, list)) else w.shape
+    """(E, out, in) of an expert stack, without a leading layer axis."""
+    return w[0].shape[-3:-1] + (w[0].shape[-1] * 2,) if isinstance(w, (tuple, list)) else w.shape[-3:]
 
 
 def _pair_experts(topk_idx, valid, E):
@@ -100,7 +110,7 @@ def blocked_tile_rows(N: int, k: int, E: int, mxfp4: bool = False) -> int:
     return int(min(128, 1 << max(0, mean - 1).bit_length()))
 
 
-def _blocked(x, topk_idx, topk_w, w1, w2, w3, act, E, compute_dtype, valid, tm):
+def _blocked(x, topk_idx, topk_w, w1, w2, w3, act, E, compute_dtype, valid, tm, layer=None):
     """Pairs sorted by expert, each expert's group padded to a multiple of ``tm`` rows; a
     dynamic-trip-count loop over the real tiles, each tile one expert's: fetch (dequantize)
     that expert only, run its ``tm`` rows, add the weighted rows into their tokens."""
@@ -132,7 +142,7 @@ def _blocked(x, topk_idx, topk_w, w1, w2, w3, act, E, compute_dtype, valid, tm):
         rows = jax.lax.dynamic_slice(row_tok, (t * tm,), (tm,))
         wr = jax.lax.dynamic_slice(row_w, (t * tm,), (tm,))
         xt = xp[rows]  # [tm, K]
-        W1, W3, W2 = (_take_experts(w, e, compute_dtype) for w in (w1, w3, w2))  # one expert
+        W1, W3, W2 = (_take_experts(w, e, compute_dtype, layer) for w in (w1, w3, w2))  # one expert
         g = jnp.einsum("rd,id->ri", xt, W1, preferred_element_type=f32)
         u = jnp.einsum("rd,id->ri", xt, W3, preferred_element_type=f32)
         h = act(g, u).astype(compute_dtype)
@@ -163,13 +173,17 @@ STRATEGIES = ("gather", "dense", "grouped", "blocked")
 
 
 def expert_ffn(x, topk_idx, topk_w, w1, w2, w3, act, num_experts: int, compute_dtype=jnp.float32,
-               strategy: str | None = None, valid=None, tile_rows: int | None = None):
+               strategy: str | None = None, valid=None, tile_rows: int | None = None, layer=None):
     """x [N, K]; topk_idx/topk_w [N, k]; w1/w3 [E, I, K], w2 [E, K, I] (dense or MXFP4).
 
     ``act(gate, up)`` is the gated activation (SiTU or SiLU·up), computed in fp32.
     ``valid`` (bool [N], optional): tokens where it is False (padding of a token bucket) are
     routed nowhere and come out zero. ``strategy`` (default: :func:`choose_strategy`) and
     ``tile_rows`` (``blocked`` only; default :func:`blocked_tile_rows`) are static.
+    ``layer`` (int, may be traced): the weights are layer stacks ``[L, E, ...]`` (the scanned
+    layers, ``model.layer_plan``) and this layer's experts are used. ``gather`` and ``blocked``
+    read the experts they need straight from the stack; ``dense`` and ``grouped``, which read
+    every expert anyway, take the layer's slice.
     Returns float32 [N, K]: sum_j w_j * w2_e(act(w1_e x, w3_e x)).
     """
     x, topk_idx, topk_w = jnp.asarray(x), jnp.asarray(topk_idx), jnp.asarray(topk_w)
@@ -183,19 +197,21 @@ def expert_ffn(x, topk_idx, topk_w, w1, w2, w3, act, num_experts: int, compute_d
         valid = jnp.asarray(valid, bool).reshape(N)
     if strategy == "blocked":
         return _blocked(x, topk_idx, topk_w, w1, w2, w3, act, num_experts, compute_dtype, valid,
-                        tile_rows or blocked_tile_rows(N, k, num_experts, mx))
+                        tile_rows or blocked_tile_rows(N, k, num_experts, mx), layer)
     keep = lambda out: out if valid is None else jnp.where(valid[:, None], out, 0.0)
     tw = topk_w.astype(f32)
     if valid is not None:
         tw = jnp.where(valid[:, None], tw, 0.0)
     if strategy == "gather":
         xc = x.astype(compute_dtype)
-        W1, W3, W2 = (_take_experts(w, topk_idx, compute_dtype) for w in (w1, w3, w2))  # [N, k, ...]
+        W1, W3, W2 = (_take_experts(w, topk_idx, compute_dtype, layer) for w in (w1, w3, w2))  # [N, k, ...]
         g = jnp.einsum("nd,njid->nji", xc, W1, preferred_element_type=f32)
         u = jnp.einsum("nd,njid->nji", xc, W3, preferred_element_type=f32)
         h = act(g, u).astype(compute_dtype)
         y = jnp.einsum("nji,njdi->njd", h, W2, preferred_element_type=f32)
         return keep(jnp.einsum("njd,nj->nd", y, tw))
+    if layer is not None:
+        w1, w2, w3 = (_layer_slice(w, layer) for w in (w1, w2, w3))
     if strategy == "dense":
         xc = x.astype(compute_dtype)
         W1, W3, W2 = (dequant_experts(w, compute_dtype) for w in (w1, w3, w2))

@@ -5,7 +5,13 @@ Block Attention Residuals: a bank of snapshots (taken at layers 0, b, 2b, ... *b
 attention sublayer) plus the current block's prefix sum; each sublayer input is a softmax
 mix over depth of those sources; the prefix sum restarts from the attention output after a
 snapshot; the final output is one more mix (model-level weights) before the final norm.
-The bank holds only per-token values, so nothing of it crosses tokens or steps.
+The bank holds only per-token values, so nothing of it crosses tokens or steps. It is a
+fixed array ``[num_blocks, T, D]`` plus a count, so every layer has the same shapes and the
+repeated layers run as one ``lax.scan`` (``model.layer_plan``).
+
+Layers live where the plan puts them: ``head`` and ``tail`` (unrolled, one module per
+layer) and ``blocks`` (``period`` modules whose parameters are stacked ``[groups, ...]``).
+``layer(l)`` finds any layer; checkpoint names stay ``model.layers.{l}.*`` (``weights.py``).
 
 ``step`` is a pure function of the flattened step (``model.step.FlatBatch``): (batch, cache)
 -> (logits, new cache[, intermediates]); ``__call__`` runs it on a padded ``[B, T]`` batch.
@@ -16,12 +22,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from .cache import Cache, StepBatch
 from .step import FlatBatch, flatten_padded, unflatten
 from .kda import KDA
-from .layers import AttnResWeights, GatedMLP, Linear, RMSNorm, attn_res, param
+from .layer_plan import plan_layers
+from .layers import F32, AttnResWeights, GatedMLP, Linear, RMSNorm, attn_res_bank, param
 from .mla import MLA
 from .moe import MoE
 
@@ -42,23 +50,126 @@ class DecoderLayer(nnx.Module):
             self.self_attention_res = AttnResWeights(D, dtype)
             self.mlp_res = AttnResWeights(D, dtype)
 
-    def ffn(self, x, aux, par=None, valid=None):
+    def ffn(self, x, aux, par=None, valid=None, group=None):
         if self.is_moe:
-            return self.block_sparse_moe(x, aux, par, valid=valid)
+            return self.block_sparse_moe(x, aux, par, valid=valid, group=group)
         return self.mlp(x)
+
+
+def _stacked(module: nnx.Module, n: int) -> nnx.Module:
+    """``module`` with every parameter given a leading axis of ``n`` (logical axis ``layers``)."""
+    for _, var in nnx.iter_graph(module):
+        if isinstance(var, nnx.Param):
+            v = var.get_value()
+            var.set_value(jnp.zeros((n,) + tuple(v.shape), v.dtype))
+            var.set_metadata("logical_axes", ("layers",) + tuple(var.get_metadata().get("logical_axes", ())))
+    return module
+
+
+_EXPERTS = nnx.PathContains("experts")  # routed experts (not "shared_experts")
+
+
+@dataclasses.dataclass
+class _Step:
+    """What every layer of one step reads besides its own weights and the carry."""
+    fb: FlatBatch
+    par: object
+    capture: bool
+    eps: float
+    attn_res: bool
+    dtype: object
+
+    def scatter(self, v):
+        return v if self.par is None else self.par.sp_scatter(v)
+
+    def gather(self, v):
+        return v if self.par is None else self.par.sp_gather(v)
+
+
+def _run_layer(layer: DecoderLayer, carry: dict, boundary, kda_rows, mla_layer, ctx: _Step, group=None):
+    """One decoder layer. ``carry``: ``p`` (prefix sum / residual [T, D] fp32), ``bank`` and
+    ``count`` (AttnRes), ``kv`` (the MLA pool). ``boundary`` (bool, static or traced): this
+    layer starts an AttnRes block. ``kda_rows``: (conv, state) rows of a KDA layer;
+    ``mla_layer``: an MLA layer's index in the pool. ``group``: in the scan, the layer's row of
+    the routed-expert stacks, which the layer holds whole. Returns (carry, KDA outputs, record)."""
+    fb = ctx.fb
+    p, bank, count, kv = carry["p"], carry.get("bank"), carry.get("count"), carry["kv"]
+    aux = {} if ctx.capture else None
+    if ctx.attn_res:
+        x = attn_res_bank(bank, count, p, layer.self_attention_res, ctx.eps)
+        if isinstance(boundary, bool):
+            if boundary:
+                bank = jax.lax.dynamic_update_index_in_dim(bank, p, count, 0)
+                count, p = count + 1, None
+        else:  # traced: write the slot either way (the old value when not a boundary)
+            old = jax.lax.dynamic_index_in_dim(bank, count, 0, keepdims=False)
+            bank = jax.lax.dynamic_update_index_in_dim(bank, jnp.where(boundary, p, old), count, 0)
+            count = count + boundary.astype(count.dtype)
+            p = jnp.where(boundary, 0.0, p)
+    else:
+        x = p
+    a_in = ctx.gather(layer.input_layernorm(x).astype(ctx.dtype))
+    new = None
+    if layer.kind == "kda":
+        out, new = layer.self_attn.flat(a_in, kda_rows[0], kda_rows[1], fb, aux, par=ctx.par)
+    else:
+        out, kv, rows = layer.self_attn.flat(a_in, kv, mla_layer, fb, par=ctx.par)
+        if aux is not None:
+            aux["mla_rows"] = rows
+    out = ctx.scatter(out)
+    if ctx.attn_res:
+        p = out.astype(F32) if p is None else p + out
+        y = attn_res_bank(bank, count, p, layer.mlp_res, ctx.eps)
+    else:
+        p = x + out
+        y = p
+    f = ctx.scatter(layer.ffn(ctx.gather(layer.post_attention_layernorm(y).astype(ctx.dtype)), aux, ctx.par,
+                              valid=fb.valid, group=group))
+    p = p + f
+    if aux is not None:
+        aux.update(attn_in=x, attn_out=out, mlp_in=y, mlp_out=f, prefix_sum=p)
+        if ctx.attn_res:
+            aux["num_blocks"] = count
+    return dict(carry, p=p, bank=bank, count=count, kv=kv), new, aux
 
 
 class KimiLM(nnx.Module):
     def __init__(self, cfg, dtype=jnp.float32):
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
+        self.plan = plan = plan_layers(cfg)
         D = cfg.hidden_size
         self.embed_tokens = param((cfg.vocab_size, D), dtype, ("vocab", "embed"))
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)])
+        self.head = nnx.List([DecoderLayer(cfg, l, dtype) for l in plan.head])
+        self.blocks = nnx.List([_stacked(DecoderLayer(cfg, plan.layer_of(i, 0), dtype), plan.groups)
+                                for i in range(plan.period if plan.groups else 0)])
+        self.tail = nnx.List([DecoderLayer(cfg, l, dtype) for l in plan.tail])
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype, "embed")
         if cfg.uses_attn_res:
             self.output_attn_res = AttnResWeights(D, dtype)
         self.lm_head = Linear(D, cfg.vocab_size, dtype, ("vocab", "embed"))
+
+    def layer(self, l: int) -> tuple[DecoderLayer, int | None]:
+        """Layer ``l``'s module and its row in the stacked parameters (``None``: unrolled)."""
+        where, i, g = self.plan.locate(l)
+        return getattr(self, where)[i], g
+
+    def layer_path(self, l: int) -> str:
+        """The NNX path of layer ``l``'s module (``head.0``, ``blocks.2``, ``tail.1``)."""
+        where, i, _ = self.plan.locate(l)
+        return f"{where}.{i}"
+
+    def layer_weight(self, l: int, name: str) -> jax.Array:
+        """Layer ``l``'s parameter ``name`` (``self_attn.A_log``, ...), unstacked."""
+        mod, g = self.layer(l)
+        for part in name.split("."):
+            mod = getattr(mod, part)
+        v = mod.get_value()
+        if g is None:
+            return v
+        if isinstance(v, jax.ShapeDtypeStruct):  # an abstract model (nnx.eval_shape)
+            return jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
+        return v[g]
 
     def __call__(self, batch: StepBatch, cache: Cache, capture: bool = False, par=None, logits_at=None):
         """A padded ``[B, T]`` step (tests, goldens, ``KimiModel``): ``(logits, new_cache)`` plus a
@@ -83,88 +194,104 @@ class KimiLM(nnx.Module):
         """One flattened step (:mod:`model.step`): ``(logits [R, vocab], new_cache)`` at each
         row's ``logits_idx`` (``[T, vocab]`` for every token with ``all_logits``), plus a
         per-token record with ``capture``."""
-        cfg = self.cfg
-        R = fb.num_rows
-        valid = fb.valid
-        kda_state, kda_conv, mla_kv = cache.kda_state, cache.kda_conv, cache.mla_kv
+        cfg, plan = self.cfg, self.plan
         kda_idx = {l: j for j, l in enumerate(cfg.kda_layers)}
         mla_idx = {l: j for j, l in enumerate(cfg.mla_layers)}
-        rec = {} if capture else None
-        layer_aux = []
+        ctx = _Step(fb, par, capture, cfg.rms_norm_eps, cfg.uses_attn_res, self.dtype)
+        bsz = cfg.attn_res_block_size
 
-        # The residual stream (prefix sums, AttnRes bank) is kept in fp32 whatever the
-        # weight dtype; sublayers read it normalised and cast to the compute dtype.
+        def boundary(l):
+            return bool(cfg.uses_attn_res and l % bsz == 0)
+
         # KDA rows are gathered once for all layers (by read slot) and scattered back once at
         # the end (by write slot): a per-layer scatter into the pool makes XLA copy the whole
         # pool per layer
         take = (lambda pool, s: pool[:, s]) if par is None else par.take_slots
         if kda_idx:
-            conv_rows = jnp.where(fb.fresh[None, :, None, None], 0.0, take(kda_conv, fb.read_slot))
-            state_rows = jnp.where(fb.fresh[None, :, None, None, None], 0.0, take(kda_state, fb.read_slot))
-        conv_out, state_out, snap_conv, snap_state = [], [], [], []
+            conv_rows = jnp.where(fb.fresh[None, :, None, None], 0.0, take(cache.kda_conv, fb.read_slot))
+            state_rows = jnp.where(fb.fresh[None, :, None, None, None], 0.0, take(cache.kda_state, fb.read_slot))
 
-        # under a recipe, ``par`` (sharding.parallel.StepParallel) runs the ops that need
-        # collectives; scatter/gather mark where sequence parallelism splits the tokens
-        scatter = (lambda v: v) if par is None else par.sp_scatter
-        gather = (lambda v: v) if par is None else par.sp_gather
-        h = scatter(jnp.take(self.embed_tokens[...], fb.ids, axis=0).astype(jnp.float32))
-        cdt = self.dtype
-        if rec is not None:
-            rec["embed"] = h
-        bank: list = []
-        p = h
-        eps = cfg.rms_norm_eps
-        bsz = cfg.attn_res_block_size
-        for l, layer in enumerate(self.layers):
-            aux = {} if capture else None
-            if cfg.uses_attn_res:
-                x = p if not bank else attn_res(bank, p, layer.self_attention_res, eps)
-                if l % bsz == 0:
-                    bank.append(p)
-                    p = None
-            else:
-                x = p
-            a_in = gather(layer.input_layernorm(x).astype(cdt))
-            if layer.kind == "kda":
-                j = kda_idx[l]
-                out, new = layer.self_attn.flat(a_in, conv_rows[j], state_rows[j], fb, aux, par=par)
-                for lst, v in zip((conv_out, state_out, snap_conv, snap_state), new):
-                    lst.append(v)
-            else:
-                j = mla_idx[l]
-                # the whole pool goes in with the layer index, so the row scatter and the page
-                # gather touch only the pages named, never a copy of the layer's pool
-                out, mla_kv, rows = layer.self_attn.flat(a_in, mla_kv, j, fb, par=par)
-                if aux is not None:
-                    aux["mla_rows"] = rows
-            out = scatter(out)
-            if cfg.uses_attn_res:
-                p = out if p is None else p + out
-                y = attn_res(bank, p, layer.mlp_res, eps)
-            else:
-                p = x + out
-                y = p
-            f = scatter(layer.ffn(gather(layer.post_attention_layernorm(y).astype(cdt)), aux, par, valid=valid))
-            p = p + f
-            if aux is not None:
-                aux.update(attn_in=x, attn_out=out, mlp_in=y, mlp_out=f, prefix_sum=p, num_blocks=len(bank))
-                layer_aux.append(aux)
+        # The residual stream (prefix sums, AttnRes bank) is kept in fp32 whatever the
+        # weight dtype; sublayers read it normalised and cast to the compute dtype.
+        h = ctx.scatter(jnp.take(self.embed_tokens[...], fb.ids, axis=0).astype(F32))
+        carry = {"p": h, "kv": cache.mla_kv}
+        if cfg.uses_attn_res:
+            carry["bank"] = jnp.zeros((cfg.num_attn_res_blocks,) + h.shape, F32)
+            carry["count"] = jnp.int32(0)
+        kda_new: list = []  # per KDA layer in order: (conv, state, snap conv, snap state), or stacked runs
+        records: list = []
 
+        def unrolled(layers, which):
+            nonlocal carry
+            for layer, l in zip(layers, which):
+                rows = (conv_rows[kda_idx[l]], state_rows[kda_idx[l]]) if l in kda_idx else None
+                carry, new, aux = _run_layer(layer, carry, boundary(l), rows, mla_idx.get(l), ctx)
+                if new is not None:
+                    kda_new.append(tuple(v[None] for v in new))
+                records.append(aux)
+
+        unrolled(self.head, plan.head)
+        if plan.groups:
+            G, period = plan.groups, plan.period
+            kinds = [self.blocks[i].kind for i in range(period)]
+            k_sub = [i for i in range(period) if kinds[i] == "kda"]
+            m_sub = [i for i in range(period) if kinds[i] == "mla"]
+            xs = {"flags": np.array([[boundary(plan.layer_of(i, g)) for i in range(period)] for g in range(G)])}
+            if m_sub:
+                xs["mla"] = np.array([[mla_idx[plan.layer_of(i, g)] for i in m_sub] for g in range(G)], np.int32)
+            if k_sub:
+                k0, nk = kda_idx[plan.layer_of(k_sub[0], 0)], len(k_sub)
+                assert [kda_idx[plan.layer_of(i, g)] for g in range(G) for i in k_sub] == list(range(k0, k0 + G * nk))
+                grouped = lambda a: a[k0 : k0 + G * nk].reshape((G, nk) + a.shape[1:])
+                xs["conv"], xs["state"] = grouped(conv_rows), grouped(state_rows)
+            # routed experts stay whole stacks indexed by group inside the expert op: a scan
+            # slice of them is a copy of the layer's experts per iteration (50 MB per layer on
+            # the 105M checkpoint); the other parameters are sliced per group
+            graphdef, stacked, experts = nnx.split(self.blocks, nnx.Not(_EXPERTS), _EXPERTS)
+            xs["group"] = jnp.arange(G, dtype=jnp.int32)
+
+            def body(carry, x):
+                blocks = nnx.merge(graphdef, x["params"], experts)
+                news, auxes = [], []
+                for i, layer in enumerate(blocks):
+                    rows = mla = None
+                    if layer.kind == "kda":
+                        o = k_sub.index(i)
+                        rows = (x["conv"][o], x["state"][o])
+                    else:
+                        mla = x["mla"][m_sub.index(i)]
+                    carry, new, aux = _run_layer(layer, carry, x["flags"][i], rows, mla, ctx, group=x["group"])
+                    if new is not None:
+                        news.append(new)
+                    auxes.append(aux)
+                new = tuple(jnp.stack(v) for v in zip(*news)) if news else None
+                return carry, (new, auxes if ctx.capture else None)
+
+            carry, (new, auxes) = jax.lax.scan(body, carry, dict(xs, params=stacked))
+            if new is not None:
+                kda_new.append(tuple(v.reshape((G * len(k_sub),) + v.shape[2:]) for v in new))
+            if ctx.capture:
+                records += [jax.tree.map(lambda v: v[g], auxes[i]) for g in range(G) for i in range(period)]
+        unrolled(self.tail, plan.tail)
+
+        kda_state, kda_conv = cache.kda_state, cache.kda_conv
         if kda_idx:
+            conv_out, state_out, snap_conv, snap_state = (jnp.concatenate(v) for v in zip(*kda_new))
             put = (lambda pool, s, v: pool.at[:, s].set(v, mode="drop")) if par is None else par.put_slots
-            kda_conv = put(put(kda_conv, fb.write_slot, jnp.stack(conv_out)), fb.snap_slot, jnp.stack(snap_conv))
-            kda_state = put(put(kda_state, fb.write_slot, jnp.stack(state_out)), fb.snap_slot, jnp.stack(snap_state))
+            kda_conv = put(put(kda_conv, fb.write_slot, conv_out), fb.snap_slot, snap_conv)
+            kda_state = put(put(kda_state, fb.write_slot, state_out), fb.snap_slot, snap_state)
+        p, bank = carry["p"], carry.get("bank")
         if not all_logits and not capture:  # only the tokens that are sampled
             at = jnp.maximum(fb.logits_idx, 0)
-            bank = [v[at] for v in bank]
             p = p[at]
-        out = attn_res(bank, p, self.output_attn_res, eps) if cfg.uses_attn_res else p
-        normed = gather(self.norm(out).astype(cdt))
+            bank = None if bank is None else bank[:, at]
+        out = attn_res_bank(bank, carry["count"], p, self.output_attn_res, ctx.eps) if cfg.uses_attn_res else p
+        normed = ctx.gather(self.norm(out).astype(self.dtype))
         logits = jnp.einsum("td,vd->tv", normed, self.lm_head.weight[...].astype(normed.dtype),
                             preferred_element_type=jnp.float32)
-        new_cache = Cache(kda_state=kda_state, kda_conv=kda_conv, mla_kv=mla_kv)
+        new_cache = Cache(kda_state=kda_state, kda_conv=kda_conv, mla_kv=carry["kv"])
         if not capture:
             return logits, new_cache
-        rec.update(layers=layer_aux, attnres_out=out, final_norm_out=normed,
-                   block_residual=jnp.stack(bank, axis=-2) if bank else None)
+        rec = {"embed": h, "layers": records, "attnres_out": out, "final_norm_out": normed,
+               "block_residual": None if bank is None else jnp.moveaxis(bank, 0, -2)}
         return logits, new_cache, rec

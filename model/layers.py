@@ -91,15 +91,24 @@ class AttnResWeights(nnx.Module):
         self.norm = param((hidden,), dtype, ("embed",))
 
 
-def attn_res(bank, partial, w: AttnResWeights, eps):
+def attn_res_bank(bank, count, partial, w: AttnResWeights, eps):
     """Softmax over depth of RMS-normalised sources (no weight), mixing the raw sources.
 
-    bank: list of [.., D] snapshots; partial: the current block's prefix sum. fp32 inside.
+    The sources are ``bank[:count]`` (block snapshots; ``bank`` is a fixed ``[N, .., D]``
+    array, entries from ``count`` on are ignored) and ``partial``, the current block's prefix
+    sum. fp32 inside. With an empty bank the result is ``partial`` exactly (weight 1).
     """
-    V = jnp.stack([b.astype(F32) for b in bank] + [partial.astype(F32)], axis=0)
-    K = rms_normalize(V, eps)
     query = w.norm[...].astype(F32) * w.proj[...][0].astype(F32)
-    scores = jnp.einsum("n...d,d->n...", K, query)
-    alpha = jax.nn.softmax(scores, axis=0)
-    out = jnp.einsum("n...,n...d->...d", alpha, V)
+    p = partial.astype(F32)
+    s_p = jnp.einsum("...d,d->...", rms_normalize(p, eps), query)
+    if bank is None or bank.shape[0] == 0:
+        return partial
+    V = bank.astype(F32)
+    s_b = jnp.einsum("n...d,d->n...", rms_normalize(V, eps), query)
+    live = (jnp.arange(V.shape[0]) < count).reshape((-1,) + (1,) * (s_b.ndim - 1))
+    s_b = jnp.where(live, s_b, -jnp.inf)
+    m = jnp.maximum(jnp.max(s_b, axis=0), s_p)
+    e_b, e_p = jnp.exp(s_b - m), jnp.exp(s_p - m)
+    den = jnp.sum(e_b, axis=0) + e_p
+    out = jnp.einsum("n...,n...d->...d", e_b / den, V) + (e_p / den)[..., None] * p
     return out.astype(partial.dtype)

@@ -75,9 +75,10 @@ class MoE(nnx.Module):
             self.shared_experts = GatedMLP(cfg, D, cfg.moe_intermediate_size * cfg.num_shared_experts, dtype)
         self.act = gated_act(cfg)
 
-    def __call__(self, x, aux=None, par=None, valid=None):
+    def __call__(self, x, aux=None, par=None, valid=None, group=None):
         """``valid`` (bool, x's leading shape): tokens that are padding of a token bucket are
-        never routed to an expert."""
+        never routed to an expert. ``group``: the routed experts are layer stacks ``[G, E,
+        ...]`` (a scanned layer, ``model.layer_plan``) and this is the layer's row."""
         cfg = self.cfg
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
@@ -90,7 +91,8 @@ class MoE(nnx.Module):
         compute = jnp.float32 if x.dtype == jnp.float32 else x.dtype
         ffn = ops.expert_ffn if par is None else par.expert_ffn
         r = ffn(z, idx, w, self.experts.weight("w1"), self.experts.weight("w2"), self.experts.weight("w3"), self.act,
-                cfg.num_experts, compute, valid=None if valid is None else valid.reshape(-1)).astype(x.dtype)
+                cfg.num_experts, compute, valid=None if valid is None else valid.reshape(-1),
+                layer=group).astype(x.dtype)
         if cfg.latent_moe:
             if cfg.latent_moe_use_norm:
                 r = self.routed_expert_norm(r)

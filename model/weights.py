@@ -11,13 +11,19 @@ a sharding is created slice by slice (``jax.make_array_from_callback``): each de
 only its own slice of the host tensor, converted to the parameter dtype per slice; nothing
 puts a whole sharded parameter on one device. Expert stacks are still gathered on the host
 first and placed the same way once every expert is in. ``param_path`` is the dot-joined NNX
-path of the parameter (``layers.1.block_sparse_moe.experts.w1_packed``), the same string
+path of the parameter (``blocks.0.block_sparse_moe.experts.w1_packed``), the same string
 ``sharding.mesh`` derives from ``nnx.split(module)[1]``.
+
+Layers the step scans over (``model.layer_plan``) hold parameters stacked ``[groups, ...]``:
+checkpoint layer ``l`` fills row ``g`` of its group's stack. A stack starts as zeros on its
+sharding and each layer's tensor is written into its row in place (a donated update), so
+the host never holds more than one layer's tensor (one layer's expert stack) at a time.
 
 Unknown, missing and mis-shaped tensors are errors that name the tensor.
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Callable, Iterable
 
@@ -70,12 +76,14 @@ class _Target:
     """Where a checkpoint tensor goes: a Param, optionally one expert row of a stack."""
 
     def __init__(self, var: nnx.Variable, path: str, expert: int | None = None,
-                 convert: Callable[[np.ndarray], np.ndarray] | None = None, expect: tuple | None = None):
+                 convert: Callable[[np.ndarray], np.ndarray] | None = None, expect: tuple | None = None,
+                 group: int | None = None):
         self.var, self.path, self.expert, self.convert, self.expect = var, path, expert, convert, expect
+        self.group = group  # row of a layer-stacked parameter (``model.layer_plan``), None if unrolled
 
 
 def _resolve(model, cfg, name: str, dequant: bool) -> _Target | str | None:
-    """Map a stripped name to a target; returns a string for MXFP4 parts when dequantizing."""
+    """Map a stripped name to a target; ``(layer, stack path)`` for MXFP4 parts when dequantizing."""
     if name == "model.embed_tokens.weight":
         return _Target(model.embed_tokens, "embed_tokens")
     if name == "lm_head.weight":
@@ -91,16 +99,17 @@ def _resolve(model, cfg, name: str, dequant: bool) -> _Target | str | None:
     li, rest = int(m.group(1)), m.group(2)
     if li >= cfg.num_hidden_layers:
         return None
-    layer = model.layers[li]
-    base = f"layers.{li}"
+    layer, group = model.layer(li)
+    base = model.layer_path(li)
+    T = lambda *a, **k: _Target(*a, group=group, **k)  # noqa: E731
     m2 = re.match(r"^(self_attention_res|mlp_res)_(proj|norm)\.weight$", rest)
     if m2:
         if not cfg.uses_attn_res:
             return None
-        return _Target(getattr(getattr(layer, m2.group(1)), m2.group(2)), f"{base}.{m2.group(1)}.{m2.group(2)}")
+        return T(getattr(getattr(layer, m2.group(1)), m2.group(2)), f"{base}.{m2.group(1)}.{m2.group(2)}")
     if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
         mod = rest.split(".")[0]
-        return _Target(getattr(layer, mod).weight, f"{base}.{mod}.weight")
+        return T(getattr(layer, mod).weight, f"{base}.{mod}.weight")
     if rest.startswith("self_attn."):
         attn = layer.self_attn
         sub = rest[len("self_attn."):]
@@ -117,27 +126,27 @@ def _resolve(model, cfg, name: str, dequant: bool) -> _Target | str | None:
                         return a[:H]
                     raise CheckpointError(f"has shape {list(a.shape)}, expected [{H}], [1, 1, {H}, 1] "
                                           f"or [{dk}] (padded to head_dim)")
-                return _Target(attn.A_log, f"{base}.self_attn.A_log", convert=narrow, expect=None)
+                return T(attn.A_log, f"{base}.self_attn.A_log", convert=narrow, expect=None)
             m3 = re.match(r"^([qkv])_conv1d\.weight$", sub)
             if m3:
                 P, W = H * dk, cfg.conv_kernel_size
-                return _Target(getattr(attn, f"{m3.group(1)}_conv1d"), f"{base}.self_attn.{m3.group(1)}_conv1d",
+                return T(getattr(attn, f"{m3.group(1)}_conv1d"), f"{base}.self_attn.{m3.group(1)}_conv1d",
                                convert=lambda a: np.asarray(a).reshape(a.shape[0], a.shape[-1]), expect=(P, 1, W))
             if sub in ("dt_bias",):
-                return _Target(attn.dt_bias, f"{base}.self_attn.dt_bias", convert=lambda a: np.asarray(a).reshape(-1),
+                return T(attn.dt_bias, f"{base}.self_attn.dt_bias", convert=lambda a: np.asarray(a).reshape(-1),
                                expect=None)
             if sub == "o_norm.weight":
-                return _Target(attn.o_norm, f"{base}.self_attn.o_norm")
+                return T(attn.o_norm, f"{base}.self_attn.o_norm")
         mod = sub.rsplit(".", 1)
         if len(mod) == 2 and mod[1] == "weight" and hasattr(attn, mod[0]):
             obj = getattr(attn, mod[0])
             if isinstance(obj, nnx.Module) and hasattr(obj, "weight"):
-                return _Target(obj.weight, f"{base}.self_attn.{mod[0]}.weight")
+                return T(obj.weight, f"{base}.self_attn.{mod[0]}.weight")
         return None
     if rest.startswith("mlp.") and not layer.is_moe:
         mod = rest[len("mlp."):].rsplit(".", 1)
         if mod[0] in ("gate_proj", "up_proj", "down_proj") and mod[1] == "weight":
-            return _Target(getattr(layer.mlp, mod[0]).weight, f"{base}.mlp.{mod[0]}.weight")
+            return T(getattr(layer.mlp, mod[0]).weight, f"{base}.mlp.{mod[0]}.weight")
         return None
     if rest.startswith("block_sparse_moe.") and layer.is_moe:
         moe = layer.block_sparse_moe
@@ -150,25 +159,25 @@ def _resolve(model, cfg, name: str, dequant: bool) -> _Target | str | None:
             if kind == "weight":
                 if ex.mxfp4:
                     return None
-                return _Target(getattr(ex, w), f"{base}.experts.{w}", expert=e)
+                return T(getattr(ex, w), f"{base}.experts.{w}", expert=e)
             if not ex.mxfp4:
-                return f"{base}.experts.{w}" if dequant else None
+                return (li, f"{base}.experts.{w}") if dequant else None
             part = "packed" if kind == "weight_packed" else "scale"
-            return _Target(getattr(ex, f"{w}_{part}"), f"{base}.experts.{w}_{part}", expert=e)
+            return T(getattr(ex, f"{w}_{part}"), f"{base}.experts.{w}_{part}", expert=e)
         sub = rest[len("block_sparse_moe."):]
         if sub == "gate.weight":
-            return _Target(moe.gate.weight, f"{base}.gate.weight")
+            return T(moe.gate.weight, f"{base}.gate.weight")
         if sub == "gate.e_score_correction_bias":
-            return _Target(moe.gate.e_score_correction_bias, f"{base}.gate.e_score_correction_bias")
+            return T(moe.gate.e_score_correction_bias, f"{base}.gate.e_score_correction_bias")
         if sub == "routed_expert_norm.weight" and hasattr(moe, "routed_expert_norm"):
-            return _Target(moe.routed_expert_norm.weight, f"{base}.routed_expert_norm.weight")
+            return T(moe.routed_expert_norm.weight, f"{base}.routed_expert_norm.weight")
         mod = sub.rsplit(".", 1)
         if mod[0] in ("routed_expert_down_proj", "routed_expert_up_proj") and hasattr(moe, mod[0]):
-            return _Target(getattr(moe, mod[0]).weight, f"{base}.{mod[0]}.weight")
+            return T(getattr(moe, mod[0]).weight, f"{base}.{mod[0]}.weight")
         if mod[0].startswith("shared_experts.") and hasattr(moe, "shared_experts"):
             p = mod[0].split(".", 1)[1]
             if p in ("gate_proj", "up_proj", "down_proj"):
-                return _Target(getattr(moe.shared_experts, p).weight, f"{base}.shared_experts.{p}.weight")
+                return T(getattr(moe.shared_experts, p).weight, f"{base}.shared_experts.{p}.weight")
         return None
     return None
 
@@ -224,6 +233,26 @@ def _all_params(model) -> dict[str, nnx.Variable]:
     return out
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_row(stack, row, g):
+    return jax.lax.dynamic_update_index_in_dim(stack, row.astype(stack.dtype), g, 0)
+
+
+def _zeros(shape: tuple, dtype, sharding) -> jax.Array:
+    if sharding is None:
+        return jnp.zeros(shape, dtype)
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+def _row_sharding(sharding):
+    """The sharding of one row of a layer-stacked parameter placed on ``sharding``."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+    return sharding
+
+
 def _placed(host: np.ndarray, shape: tuple, dtype, sharding) -> jax.Array:
     """``host`` as a global array on ``sharding``, built from per-device slices only."""
     return jax.make_array_from_callback(shape, sharding, lambda index: np.asarray(host[index]).astype(dtype),
@@ -241,7 +270,8 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
     ``None`` from it, or no ``placement``, puts the parameter whole on the default device.
     """
     E = cfg.num_experts
-    staged: dict[int, tuple[np.ndarray, list]] = {}  # id(var) -> (stack buffer, filled flags)
+    staged: dict[tuple, tuple[np.ndarray, list]] = {}  # (id(var), group) -> (expert stack buffer, filled flags)
+    rows_filled: dict[int, tuple] = {}  # id(var) of a layer-stacked parameter -> (rows written, sharding)
     pending_mx: dict[tuple[str, int], dict] = {}  # dequant-at-load: (stack path, e) -> parts
     done: set[int] = set()
     params = _all_params(model)
@@ -250,33 +280,47 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
     def sharding_of(var, shape: tuple):
         return None if placement is None else placement(by_id[id(var)], shape)
 
+    def put(var, arr: np.ndarray, shape: tuple, dtype, group: int | None):
+        """``arr`` becomes the parameter (``group`` None) or its row ``group`` of a stack."""
+        if group is None:
+            sharding = sharding_of(var, shape)
+            var.set_value(jnp.asarray(arr.astype(dtype)) if sharding is None else _placed(arr, shape, dtype, sharding))
+            done.add(id(var))
+            return
+        if id(var) not in rows_filled:  # the stack starts as zeros, on its own sharding
+            rows_filled[id(var)] = ([False] * shape[0], sharding_of(var, shape))
+            var.set_value(_zeros(shape, dtype, rows_filled[id(var)][1]))
+        filled, sharding = rows_filled[id(var)]
+        row_sharding = None if sharding is None else _row_sharding(sharding)
+        row = jnp.asarray(arr.astype(dtype)) if row_sharding is None else _placed(arr, shape[1:], dtype, row_sharding)
+        var.set_value(_set_row(var.get_value(), row, np.int32(group)))
+        filled[group] = True
+        if all(filled):
+            done.add(id(var))
+            del rows_filled[id(var)]
+
     def place(tgt: _Target, arr: np.ndarray, name: str):
         var = tgt.var
         cur = var.get_value()
         shape, dtype = tuple(cur.shape), cur.dtype
+        part = shape if tgt.group is None else shape[1:]  # what one layer's tensor fills
         if tgt.expert is None:
-            if arr.shape != shape:
-                raise CheckpointError(f"{source}: tensor {name!r} has shape {list(arr.shape)}, expected {list(shape)}")
-            sharding = sharding_of(var, shape)
-            if sharding is None:
-                var.set_value(jnp.asarray(arr.astype(dtype)))
-            else:
-                var.set_value(_placed(arr, shape, dtype, sharding))
-            done.add(id(var))
+            if arr.shape != part:
+                raise CheckpointError(f"{source}: tensor {name!r} has shape {list(arr.shape)}, expected {list(part)}")
+            put(var, arr, shape, dtype, tgt.group)
             return
-        row_shape = shape[1:]
+        row_shape = part[1:]
         if arr.shape != row_shape:
             raise CheckpointError(f"{source}: tensor {name!r} has shape {list(arr.shape)}, expected {list(row_shape)}")
-        if id(var) not in staged:
-            staged[id(var)] = (np.zeros(shape, dtype), [False] * E)
-        buf, filled = staged[id(var)]
+        key = (id(var), tgt.group)
+        if key not in staged:
+            staged[key] = (np.zeros(part, dtype), [False] * E)
+        buf, filled = staged[key]
         buf[tgt.expert] = arr.astype(dtype)
         filled[tgt.expert] = True
         if all(filled):
-            sharding = sharding_of(var, shape)
-            var.set_value(jnp.asarray(buf) if sharding is None else _placed(buf, shape, dtype, sharding))
-            del staged[id(var)]
-            done.add(id(var))
+            put(var, buf, shape, dtype, tgt.group)
+            del staged[key]
 
     seen_stripped = {}
     for raw_name, read, shape in tensors:
@@ -291,12 +335,13 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
             # or a dense MLP under both mlp. and block_sparse_moe.
             raise CheckpointError(f"{source}: duplicate tensor {raw_name!r} (same as {seen_stripped[name]!r})")
         seen_stripped[name] = raw_name
-        if isinstance(tgt, str):  # MXFP4 part, dequantized at load
+        if isinstance(tgt, tuple):  # MXFP4 part, dequantized at load: (layer, stack path)
             m = _EXPERT.match(name.split(".", 3)[3])
             e, w, kind = int(m.group(1)), m.group(2), m.group(3)
-            layer = model.layers[int(tgt.split(".")[1])]
+            layer, group = model.layer(tgt[0])
+            tgt = tgt[1]
             dense_var = getattr(layer.block_sparse_moe.experts, w)
-            n_rows, k = tuple(dense_var.get_value().shape[1:])
+            n_rows, k = tuple(dense_var.get_value().shape[-2:])
             want = (n_rows, k // 2) if kind == "weight_packed" else (n_rows, k // GROUP_SIZE)
             if tuple(shape) != want:
                 raise CheckpointError(f"{source}: tensor {raw_name!r} has shape {list(shape)}, expected {list(want)}")
@@ -309,7 +354,7 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
                     dense = unpack_mxfp4_np(parts["weight_packed"], parts["weight_scale"])
                 except ValueError as err:
                     raise CheckpointError(f"{source}: tensors {pair!r}: {err}") from None
-                place(_Target(dense_var, tgt, expert=e), dense, pair)
+                place(_Target(dense_var, tgt, expert=e, group=group), dense, pair)
                 del pending_mx[key]
             continue
         if tgt.expect is not None and tuple(shape) != tuple(tgt.expect):
@@ -337,9 +382,10 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
     missing = sorted(by_id[i] for i in set(by_id) - done)
     if missing or pending_mx:
         detail = []
-        for i, (buf, filled) in staged.items():
+        for (i, g), (buf, filled) in staged.items():
             miss = [e for e, f in enumerate(filled) if not f]
-            detail.append(f"{by_id[i]} (experts {miss[:8]}{'...' if len(miss) > 8 else ''})")
+            at = "" if g is None else f" group {g}"
+            detail.append(f"{by_id[i]}{at} (experts {miss[:8]}{'...' if len(miss) > 8 else ''})")
         detail += [f"{k[0]} expert {k[1]} (only {sorted(v)})" for k, v in pending_mx.items()]
         plain = [m for m in missing if not any(m in d for d in detail)]
         raise CheckpointError(f"{source}: missing tensors for parameters: " + ", ".join(plain + detail))

@@ -108,13 +108,17 @@ def resolve_impl(impl: str, mesh) -> str:
 
 
 def expert_ffn_ep(x, topk_idx, topk_w, w1, w2, w3, act, num_experts: int, compute_dtype=jnp.float32, *,
-                  mesh, impl: str = "auto", valid=None):
+                  mesh, impl: str = "auto", valid=None, layer=None):
     """Expert-parallel ``expert_ffn``: x [N, K]; topk_idx/topk_w [N, k]; w1/w3 [E, I, K] and
     w2 [E, K, I] (dense or MXFP4 pairs) placed by ``param_spec`` on ``mesh`` (a
     ``build_mesh`` mesh). Call it under ``jax.jit`` with global arrays. Returns float32
     [N, K], replicated over the mesh. ``impl``: "padded", "ragged" or "auto" (module doc).
     ``valid`` (bool [N], optional): tokens where it is False are treated like the padding
-    tokens (expert id -1: never dispatched) and come out zero."""
+    tokens (expert id -1: never dispatched) and come out zero. ``layer``: the weights are layer
+    stacks ``[L, E, ...]`` (scanned layers); this layer's slice is taken (on accelerators the
+    grouped-matmul kernel should read the stack in place instead)."""
+    if layer is not None:
+        w1, w2, w3 = (tuple(a[layer] for a in w) if _is_pair(w) else w[layer] for w in (w1, w2, w3))
     impl = resolve_impl(impl, mesh)
     mshape = dict(mesh.shape)
     ep = int(np.prod([mshape[a] for a in EXPERTS]))

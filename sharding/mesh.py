@@ -76,7 +76,11 @@ _HEAD_OUT = ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "f_b_proj", "q_b_
 
 
 def param_spec(path: str, shape: tuple[int, ...], mesh_shape: dict) -> tuple:
-    """PartitionSpec entries for the parameter at ``path`` (dot-joined NNX path)."""
+    """PartitionSpec entries for the parameter at ``path`` (dot-joined NNX path). Parameters of
+    the scanned layers (``blocks.*``, stacked ``[groups, ...]``) keep their layer axis whole and
+    place the rest as the unstacked parameter."""
+    if path.startswith("blocks."):
+        return (None,) + param_spec(path[len("blocks"):], shape[1:], mesh_shape)
     spec: list = [None] * len(shape)
 
     def put(dim: int, axes) -> None:

@@ -103,7 +103,7 @@ class StepParallel:
                                              for k, v in sh.items()})
 
     # ------------------------------------------------------------------ MLA with DCP / DP
-    def mla_attention_flat(self, q_lat, q_rope, rows, kv_pool, layer: int, fb, scale: float, latent_dim: int):
+    def mla_attention_flat(self, q_lat, q_rope, rows, kv_pool, layer, fb, scale: float, latent_dim: int):
         """Write the step's latent ``rows`` [T, W] into the pool and attend (flattened step,
         ``model.step.FlatBatch``); returns (pool, out_lat [T, H, latent])."""
         from ..kernels.mla_ragged import mla_ragged_attention, write_kv_rows
@@ -116,7 +116,7 @@ class StepParallel:
         r_spec = P(rows_ax)
         pool_spec = P(None, self._ax(page_axes), None, None)
 
-        def local(q_lat, q_rope, new_rows, pool, table, tok_row, pos, kv_lens, cu, q_lens):
+        def local(q_lat, q_rope, new_rows, pool, table, tok_row, pos, kv_lens, cu, q_lens, layer):
             R = q_lens.shape[0]
             tok_row = local_rows(tok_row, R)
             ppr = pool.shape[1]  # pages in this rank's block
@@ -146,9 +146,10 @@ class StepParallel:
             return pool, out
 
         fn = jax.shard_map(local, mesh=self.mesh,
-                           in_specs=(q_spec, q_spec, r_spec, pool_spec, r_spec, r_spec, r_spec, r_spec, r_spec, r_spec),
+                           in_specs=(q_spec, q_spec, r_spec, pool_spec, r_spec, r_spec, r_spec, r_spec, r_spec, r_spec, P()),
                            out_specs=(pool_spec, q_spec), check_vma=False)
-        return fn(q_lat, q_rope, rows, kv_pool, fb.page_table, fb.tok_row, fb.pos, fb.kv_lens, fb.cu_q_lens, fb.q_lens)
+        return fn(q_lat, q_rope, rows, kv_pool, fb.page_table, fb.tok_row, fb.pos, fb.kv_lens, fb.cu_q_lens, fb.q_lens,
+                  jnp.asarray(layer, jnp.int32))
 
     # ------------------------------------------------------------------ KDA core by DP group
     def kda_core(self, core, raw, conv_w, g, beta, conv_rows, state_rows, tok_row, cu, q_lens, start_pos, snap_row,

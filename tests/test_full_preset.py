@@ -42,11 +42,17 @@ def test_full_model_abstract_shapes_and_parameter_count():
         total += 2 * n if path[-1].endswith("_packed") else (0 if path[-1].endswith("_scale") else n)
     # the checkpoint stores A_log padded to head_dim (128) where the model keeps 96 per head
     assert total == count_parameters(_release_json()) - 69 * (128 - 96) == 2_779_484_476_000
-    assert m.layers[91].self_attn.q_b_proj.weight.get_value().shape == (18432, 1536)
-    assert m.layers[92].self_attn.kv_b_proj.weight.get_value().shape == (24576, 512)
-    ex = m.layers[1].block_sparse_moe.experts
-    assert ex.w1_packed.get_value().shape == (896, 3072, 1792)
-    assert ex.w2_scale.get_value().shape == (896, 3584, 96)
+    assert m.layer_weight(91, "self_attn.q_b_proj.weight").shape == (18432, 1536)
+    assert m.layer_weight(92, "self_attn.kv_b_proj.weight").shape == (24576, 512)
+    assert m.layer_weight(1, "block_sparse_moe.experts.w1_packed").shape == (896, 3072, 1792)
+    assert m.layer_weight(1, "block_sparse_moe.experts.w2_scale").shape == (896, 3584, 96)
+    # 93 layers trace as 9 layer bodies: layer 0 (dense MLP), 22 scanned groups of
+    # [KDA, KDA, MLA, KDA] (layers 1..88) and layers 89..92
+    plan = m.plan
+    assert (plan.head, plan.start, plan.period, plan.groups, plan.tail) == ((0,), 1, 4, 22, (89, 90, 91, 92))
+    assert plan.traced_bodies == 9
+    assert m.layer_path(1) == "blocks.0" and m.layer_path(91) == "tail.2"
+    assert m.blocks[0].self_attn.q_proj.weight.get_value().shape == (22, 12288, 7168)
     specs = tensor_specs(_release_json())
     assert specs["language_model.model.layers.1.block_sparse_moe.experts.895.w1.weight_packed"] == ("U8", (3072, 1792))
 

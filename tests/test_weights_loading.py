@@ -163,7 +163,7 @@ def test_dense_mlp_loads_under_both_spellings(tmp_path):
     assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
     with open_checkpoint(KLD) as ck:
         w = ck.get(DENSE[2].format("block_sparse_moe")).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(module_of(saved).layers[0].mlp.down_proj.weight[...]), w)
+    np.testing.assert_array_equal(np.asarray(module_of(saved).layer_weight(0, "mlp.down_proj.weight")), w)
 
 
 def test_dense_mlp_under_both_spellings_at_once_is_an_error(tmp_path):
@@ -216,18 +216,18 @@ def test_dequantize_experts_gives_dense_experts(single, ids):
     assert m.config.experts_mxfp4 is False
     ref_m, ref_logits = single
     assert ref_m.config.experts_mxfp4 is True
-    dense = module_of(m).layers[2].block_sparse_moe.experts
-    packed = module_of(ref_m).layers[2].block_sparse_moe.experts
+    dense = module_of(m).layer(2)[0].block_sparse_moe.experts
+    packed = module_of(ref_m).layer(2)[0].block_sparse_moe.experts
     cfg = m.config
     for w in ("w1", "w2", "w3"):
         assert hasattr(dense, w) and not hasattr(dense, w + "_packed") and not hasattr(dense, w + "_scale")
         assert hasattr(packed, w + "_packed") and not hasattr(packed, w)
-        got = np.asarray(getattr(dense, w)[...])
+        got = np.asarray(module_of(m).layer_weight(2, f"block_sparse_moe.experts.{w}"))
         n, k = ((cfg.moe_intermediate_size, cfg.expert_input_size) if w != "w2"
                 else (cfg.expert_input_size, cfg.moe_intermediate_size))
         assert got.shape == (cfg.num_experts, n, k) and got.dtype == np.float32
-        want = unpack_mxfp4_np(np.asarray(getattr(packed, w + "_packed")[...]),
-                               np.asarray(getattr(packed, w + "_scale")[...]))
+        want = unpack_mxfp4_np(np.asarray(module_of(ref_m).layer_weight(2, f"block_sparse_moe.experts.{w}_packed")),
+                               np.asarray(module_of(ref_m).layer_weight(2, f"block_sparse_moe.experts.{w}_scale")))
         np.testing.assert_array_equal(got, want)
     assert rel_err(m.logits(ids), ref_logits) < 1e-5
 
@@ -243,7 +243,7 @@ def test_a_log_is_narrowed_to_heads(single):
     for i in m.config.kda_layers:
         a = raw[f"model.layers.{i}.self_attn.A_log"]
         assert a.shape == (1, 1, H, 1)
-        got = np.asarray(mod.layers[i].self_attn.A_log[...])
+        got = np.asarray(mod.layer_weight(i, "self_attn.A_log"))
         assert got.shape == (H,)
         np.testing.assert_array_equal(got, a.reshape(H))
 
@@ -254,7 +254,7 @@ def test_a_log_is_narrowed_to_heads(single):
         for i in ref_m.config.kda_layers:
             a = ck.get(f"{P}layers.{i}.self_attn.A_log")
             assert a.shape == (ref_m.config.kda_head_dim,) and H == 4 < a.shape[0]
-            got = np.asarray(mod.layers[i].self_attn.A_log[...])
+            got = np.asarray(mod.layer_weight(i, "self_attn.A_log"))
             assert got.shape == (H,)
             np.testing.assert_array_equal(got, a[:H])
 
