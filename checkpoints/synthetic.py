@@ -235,15 +235,16 @@ def k3_config(
     }
 
 
-def demo_config() -> dict:
+def demo_config(num_hidden_layers: int = 13) -> dict:
     """K3 scaled down to ~30M logical parameters (see :func:`count_parameters`).
 
     Keeps the release's structure: MLA at 1-based ``range(4, L, 4) + [L]`` with L = 13 (so
     the last two layers are both MLA, like release layers 91/92), AttnRes blocks of 4 layers,
     layer 0 dense, 64 routed experts top-8 + 2 shared, MXFP4 experts with latent = D/2 (as
-    3584 = 7168/2), special ids at the release offsets.
+    3584 = 7168/2), special ids at the release offsets. ``num_hidden_layers`` makes deeper
+    (or shallower) variants of the same shape (``k3serve bench warmup``).
     """
-    L = 13
+    L = num_hidden_layers
     return k3_config(
         vocab_size=4096,
         hidden_size=256,

@@ -165,6 +165,10 @@ def cmd_bench(args) -> int:
         from .bench import host as bench_host
 
         return bench_host.main(rest[1:])
+    if rest and rest[0] == "warmup":
+        from .bench import warmup as bench_warmup
+
+        return bench_warmup.main(rest[1:])
     if rest and rest[0] == "step":
         from .bench import step as bench_step
 
@@ -326,6 +330,7 @@ BENCH_USAGE = """usage: k3serve bench --server HOST:PORT --trace T.jsonl [--conc
        k3serve bench loop [--model DIR] [--streams 8] [--probes 20]   (submit/abort latency in steps)
        k3serve bench host [--model DIR|demo] [--contexts 1024,16384] [--rows 4] [--penalties] [--stop] ...
        k3serve bench step [--model DIR|demo] [--rows 1,8,32] [--context 128]   (decode step time, roofline)
+       k3serve bench warmup [--layers 13,49]   (cold warm-up of serve's defaults, demo models by depth)
 (each accepts --help for its flags)"""
 
 
