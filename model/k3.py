@@ -7,11 +7,11 @@ mix over depth of those sources; the prefix sum restarts from the attention outp
 snapshot; the final output is one more mix (model-level weights) before the final norm.
 The bank holds only per-token values, so nothing of it crosses tokens or steps. It is a
 fixed array ``[num_blocks, T, D]`` plus a count, so every layer has the same shapes and the
-repeated layers run as one ``lax.scan`` (``model.layer_plan``).
+stack runs as one ``lax.scan`` over the layers (``model.layer_plan``).
 
-Layers live where the plan puts them: ``head`` and ``tail`` (unrolled, one module per
-layer) and ``blocks`` (``period`` modules whose parameters are stacked ``[groups, ...]``).
-``layer(l)`` finds any layer; checkpoint names stay ``model.layers.{l}.*`` (``weights.py``).
+Parameters are stacked by layer kind: ``blocks[k]`` holds every layer of kind ``k`` (KDA +
+dense MLP, KDA + MoE, MLA + MoE), ``[layers of the kind, ...]``. ``layer(l)`` finds any
+layer; checkpoint names stay ``model.layers.{l}.*`` (``weights.py``).
 
 ``step`` is a pure function of the flattened step (``model.step.FlatBatch``): (batch, cache)
 -> (logits, new cache[, intermediates]); ``__call__`` runs it on a padded ``[B, T]`` batch.
@@ -19,6 +19,7 @@ layer) and ``blocks`` (``period`` modules whose parameters are stacked ``[groups
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -130,7 +131,10 @@ def _run_layer(layer: DecoderLayer, carry: dict, boundary, kda_rows, mla_layer, 
         aux.update(attn_in=x, attn_out=out, mlp_in=y, mlp_out=f, prefix_sum=p)
         if ctx.attn_res:
             aux["num_blocks"] = count
-    return dict(carry, p=p, bank=bank, count=count, kv=kv), new, aux
+    carry = dict(carry, p=p, kv=kv)
+    if ctx.attn_res:
+        carry.update(bank=bank, count=count)
+    return carry, new, aux
 
 
 class KimiLM(nnx.Module):
@@ -140,24 +144,21 @@ class KimiLM(nnx.Module):
         self.plan = plan = plan_layers(cfg)
         D = cfg.hidden_size
         self.embed_tokens = param((cfg.vocab_size, D), dtype, ("vocab", "embed"))
-        self.head = nnx.List([DecoderLayer(cfg, l, dtype) for l in plan.head])
-        self.blocks = nnx.List([_stacked(DecoderLayer(cfg, plan.layer_of(i, 0), dtype), plan.groups)
-                                for i in range(plan.period if plan.groups else 0)])
-        self.tail = nnx.List([DecoderLayer(cfg, l, dtype) for l in plan.tail])
+        self.blocks = nnx.List([_stacked(DecoderLayer(cfg, plan.layers_of(k)[0], dtype), len(plan.layers_of(k)))
+                                for k in range(len(plan.kinds))])
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype, "embed")
         if cfg.uses_attn_res:
             self.output_attn_res = AttnResWeights(D, dtype)
         self.lm_head = Linear(D, cfg.vocab_size, dtype, ("vocab", "embed"))
 
-    def layer(self, l: int) -> tuple[DecoderLayer, int | None]:
-        """Layer ``l``'s module and its row in the stacked parameters (``None``: unrolled)."""
-        where, i, g = self.plan.locate(l)
-        return getattr(self, where)[i], g
+    def layer(self, l: int) -> tuple[DecoderLayer, int]:
+        """Layer ``l``'s (stacked) module and its row in the stacks."""
+        k, row = self.plan.locate(l)
+        return self.blocks[k], row
 
     def layer_path(self, l: int) -> str:
-        """The NNX path of layer ``l``'s module (``head.0``, ``blocks.2``, ``tail.1``)."""
-        where, i, _ = self.plan.locate(l)
-        return f"{where}.{i}"
+        """The NNX path of layer ``l``'s stacked module (``blocks.{kind}``)."""
+        return f"blocks.{self.plan.locate(l)[0]}"
 
     def layer_weight(self, l: int, name: str) -> jax.Array:
         """Layer ``l``'s parameter ``name`` (``self_attn.A_log``, ...), unstacked."""
@@ -165,13 +166,12 @@ class KimiLM(nnx.Module):
         for part in name.split("."):
             mod = getattr(mod, part)
         v = mod.get_value()
-        if g is None:
-            return v
         if isinstance(v, jax.ShapeDtypeStruct):  # an abstract model (nnx.eval_shape)
             return jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
         return v[g]
 
-    def __call__(self, batch: StepBatch, cache: Cache, capture: bool = False, par=None, logits_at=None):
+    def __call__(self, batch: StepBatch, cache: Cache, capture: bool = False, par=None, logits_at=None,
+                 unroll: bool = False):
         """A padded ``[B, T]`` step (tests, goldens, ``KimiModel``): ``(logits, new_cache)`` plus a
         record with ``capture``. Runs the flattened :meth:`step` on the ``B * T`` token axis.
 
@@ -181,19 +181,22 @@ class KimiLM(nnx.Module):
         if logits_at is not None and not capture:
             at = jnp.take_along_axis(index, logits_at[:, None], axis=1)[:, 0]
             fb = dataclasses.replace(fb, logits_idx=jnp.where(batch.seq_lens > 0, at, -1))
-            logits, cache = self.step(fb, cache, par=par)
+            logits, cache = self.step(fb, cache, par=par, unroll=unroll)
             return logits[:, None], cache
-        out = self.step(fb, cache, capture=capture, par=par, all_logits=True)
+        out = self.step(fb, cache, capture=capture, par=par, all_logits=True, unroll=unroll)
         logits = unflatten(out[0], index)
         if not capture:
             return logits, out[1]
         rec = jax.tree.map(lambda v: unflatten(v, index) if getattr(v, "ndim", 0) else v, out[2])
         return logits, out[1], rec
 
-    def step(self, fb: FlatBatch, cache: Cache, capture: bool = False, par=None, all_logits: bool = False):
+    def step(self, fb: FlatBatch, cache: Cache, capture: bool = False, par=None, all_logits: bool = False,
+             unroll: bool = False):
         """One flattened step (:mod:`model.step`): ``(logits [R, vocab], new_cache)`` at each
         row's ``logits_idx`` (``[T, vocab]`` for every token with ``all_logits``), plus a
-        per-token record with ``capture``."""
+        per-token record with ``capture``. The layers run as one scan (``model.layer_plan``);
+        ``unroll`` (implied by ``capture``, whose per-layer records differ by kind) runs the same
+        layer code unrolled, one traced body per layer."""
         cfg, plan = self.cfg, self.plan
         kda_idx = {l: j for j, l in enumerate(cfg.kda_layers)}
         mla_idx = {l: j for j, l in enumerate(cfg.mla_layers)}
@@ -218,65 +221,46 @@ class KimiLM(nnx.Module):
         if cfg.uses_attn_res:
             carry["bank"] = jnp.zeros((cfg.num_attn_res_blocks,) + h.shape, F32)
             carry["count"] = jnp.int32(0)
-        kda_new: list = []  # per KDA layer in order: (conv, state, snap conv, snap state), or stacked runs
-        records: list = []
+        L = plan.num_layers
+        kda_of = np.array([kda_idx.get(l, 0) for l in range(L)], np.int32)
+        mla_of = np.array([mla_idx.get(l, 0) for l in range(L)], np.int32)
+        if kda_idx:
+            NS = fb.snap_slot.shape[0]
+            carry.update(conv=conv_rows, state=state_rows,
+                         snap_conv=jnp.zeros((len(kda_idx), NS) + conv_rows.shape[2:], F32),
+                         snap_state=jnp.zeros((len(kda_idx), NS) + state_rows.shape[2:], F32))
+        # routed experts stay whole stacks indexed by row inside the expert op: a slice of
+        # them is a copy of the layer's experts per layer (50 MB on the 105M checkpoint);
+        # the other parameters are sliced per layer
+        parts = [nnx.split(blk, nnx.Not(_EXPERTS), _EXPERTS) for blk in self.blocks]
 
-        def unrolled(layers, which):
-            nonlocal carry
-            for layer, l in zip(layers, which):
-                rows = (conv_rows[kda_idx[l]], state_rows[kda_idx[l]]) if l in kda_idx else None
-                carry, new, aux = _run_layer(layer, carry, boundary(l), rows, mla_idx.get(l), ctx)
-                if new is not None:
-                    kda_new.append(tuple(v[None] for v in new))
-                records.append(aux)
-
-        unrolled(self.head, plan.head)
-        if plan.groups:
-            G, period = plan.groups, plan.period
-            kinds = [self.blocks[i].kind for i in range(period)]
-            k_sub = [i for i in range(period) if kinds[i] == "kda"]
-            m_sub = [i for i in range(period) if kinds[i] == "mla"]
-            xs = {"flags": np.array([[boundary(plan.layer_of(i, g)) for i in range(period)] for g in range(G)])}
-            if m_sub:
-                xs["mla"] = np.array([[mla_idx[plan.layer_of(i, g)] for i in m_sub] for g in range(G)], np.int32)
-            if k_sub:
-                k0, nk = kda_idx[plan.layer_of(k_sub[0], 0)], len(k_sub)
-                assert [kda_idx[plan.layer_of(i, g)] for g in range(G) for i in k_sub] == list(range(k0, k0 + G * nk))
-                grouped = lambda a: a[k0 : k0 + G * nk].reshape((G, nk) + a.shape[1:])
-                xs["conv"], xs["state"] = grouped(conv_rows), grouped(state_rows)
-            # routed experts stay whole stacks indexed by group inside the expert op: a scan
-            # slice of them is a copy of the layer's experts per iteration (50 MB per layer on
-            # the 105M checkpoint); the other parameters are sliced per group
-            graphdef, stacked, experts = nnx.split(self.blocks, nnx.Not(_EXPERTS), _EXPERTS)
-            xs["group"] = jnp.arange(G, dtype=jnp.int32)
-
-            def body(carry, x):
-                blocks = nnx.merge(graphdef, x["params"], experts)
-                news, auxes = [], []
-                for i, layer in enumerate(blocks):
-                    rows = mla = None
-                    if layer.kind == "kda":
-                        o = k_sub.index(i)
-                        rows = (x["conv"][o], x["state"][o])
-                    else:
-                        mla = x["mla"][m_sub.index(i)]
-                    carry, new, aux = _run_layer(layer, carry, x["flags"][i], rows, mla, ctx, group=x["group"])
-                    if new is not None:
-                        news.append(new)
-                    auxes.append(aux)
-                new = tuple(jnp.stack(v) for v in zip(*news)) if news else None
-                return carry, (new, auxes if ctx.capture else None)
-
-            carry, (new, auxes) = jax.lax.scan(body, carry, dict(xs, params=stacked))
+        def run(k, carry, row, flag, kda_j, mla_j):
+            graphdef, rest, experts = parts[k]
+            layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[row], rest), experts)
+            rows = (carry["conv"][kda_j], carry["state"][kda_j]) if layer.kind == "kda" else None
+            carry, new, aux = _run_layer(layer, carry, flag, rows, mla_j, ctx, group=row)
             if new is not None:
-                kda_new.append(tuple(v.reshape((G * len(k_sub),) + v.shape[2:]) for v in new))
-            if ctx.capture:
-                records += [jax.tree.map(lambda v: v[g], auxes[i]) for g in range(G) for i in range(period)]
-        unrolled(self.tail, plan.tail)
+                put_row = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), kda_j, 0)
+                carry = dict(carry, **{n: put_row(carry[n], v) for n, v in
+                                       zip(("conv", "state", "snap_conv", "snap_state"), new)})
+            return carry, aux
+
+        records: list = []
+        if capture or unroll:
+            for l in range(L):
+                k, row = plan.locate(l)
+                carry, aux = run(k, carry, row, boundary(l), int(kda_of[l]), int(mla_of[l]))
+                records.append(aux)
+        else:
+            xs = {"kind": np.array(plan.kind_of, np.int32), "row": np.array(plan.row_of, np.int32),
+                  "flag": np.array([boundary(l) for l in range(L)]), "kda": kda_of, "mla": mla_of}
+            branches = [functools.partial(lambda k, c, x: run(k, c, x["row"], x["flag"], x["kda"], x["mla"])[0], k)
+                        for k in range(len(plan.kinds))]
+            carry, _ = jax.lax.scan(lambda c, x: (jax.lax.switch(x["kind"], branches, c, x), None), carry, xs)
 
         kda_state, kda_conv = cache.kda_state, cache.kda_conv
         if kda_idx:
-            conv_out, state_out, snap_conv, snap_state = (jnp.concatenate(v) for v in zip(*kda_new))
+            conv_out, state_out, snap_conv, snap_state = (carry[n] for n in ("conv", "state", "snap_conv", "snap_state"))
             put = (lambda pool, s, v: pool.at[:, s].set(v, mode="drop")) if par is None else par.put_slots
             kda_conv = put(put(kda_conv, fb.write_slot, conv_out), fb.snap_slot, snap_conv)
             kda_state = put(put(kda_state, fb.write_slot, state_out), fb.snap_slot, snap_state)

@@ -14,8 +14,8 @@ first and placed the same way once every expert is in. ``param_path`` is the dot
 path of the parameter (``blocks.0.block_sparse_moe.experts.w1_packed``), the same string
 ``sharding.mesh`` derives from ``nnx.split(module)[1]``.
 
-Layers the step scans over (``model.layer_plan``) hold parameters stacked ``[groups, ...]``:
-checkpoint layer ``l`` fills row ``g`` of its group's stack. A stack starts as zeros on its
+Layer parameters are stacked per layer kind (``model.layer_plan``), ``[layers of the kind, ...]``:
+checkpoint layer ``l`` fills its row of its kind's stack. A stack starts as zeros on its
 sharding and each layer's tensor is written into its row in place (a donated update), so
 the host never holds more than one layer's tensor (one layer's expert stack) at a time.
 
@@ -79,7 +79,7 @@ class _Target:
                  convert: Callable[[np.ndarray], np.ndarray] | None = None, expect: tuple | None = None,
                  group: int | None = None):
         self.var, self.path, self.expert, self.convert, self.expect = var, path, expert, convert, expect
-        self.group = group  # row of a layer-stacked parameter (``model.layer_plan``), None if unrolled
+        self.group = group  # row of a layer-stacked parameter (``model.layer_plan``), None if not stacked
 
 
 def _resolve(model, cfg, name: str, dequant: bool) -> _Target | str | None:

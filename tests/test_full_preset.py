@@ -46,13 +46,12 @@ def test_full_model_abstract_shapes_and_parameter_count():
     assert m.layer_weight(92, "self_attn.kv_b_proj.weight").shape == (24576, 512)
     assert m.layer_weight(1, "block_sparse_moe.experts.w1_packed").shape == (896, 3072, 1792)
     assert m.layer_weight(1, "block_sparse_moe.experts.w2_scale").shape == (896, 3584, 96)
-    # 93 layers trace as 9 layer bodies: layer 0 (dense MLP), 22 scanned groups of
-    # [KDA, KDA, MLA, KDA] (layers 1..88) and layers 89..92
+    # 93 layers trace as 3 layer bodies, one per kind: KDA + dense MLP (layer 0), KDA + MoE
+    # (68 layers), MLA + MoE (24 layers), parameters stacked per kind
     plan = m.plan
-    assert (plan.head, plan.start, plan.period, plan.groups, plan.tail) == ((0,), 1, 4, 22, (89, 90, 91, 92))
-    assert plan.traced_bodies == 9
-    assert m.layer_path(1) == "blocks.0" and m.layer_path(91) == "tail.2"
-    assert m.blocks[0].self_attn.q_proj.weight.get_value().shape == (22, 12288, 7168)
+    assert plan.traced_bodies == 3 and [len(plan.layers_of(k)) for k in range(3)] == [1, 68, 24]
+    assert m.layer_path(0) == "blocks.0" and m.layer_path(1) == "blocks.1" and m.layer_path(91) == "blocks.2"
+    assert m.blocks[1].self_attn.q_proj.weight.get_value().shape == (68, 12288, 7168)
     specs = tensor_specs(_release_json())
     assert specs["language_model.model.layers.1.block_sparse_moe.experts.895.w1.weight_packed"] == ("U8", (3072, 1792))
 

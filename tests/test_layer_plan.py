@@ -14,15 +14,23 @@ from k3serve.model.layer_plan import plan_layers
 from k3serve.model.layers import AttnResWeights, attn_res_bank, gated_act, rms_normalize
 
 
-def test_k3_plan_traces_nine_bodies():
-    plan = plan_layers(k3_full())
-    assert (plan.head, plan.start, plan.period, plan.groups, plan.tail) == ((0,), 1, 4, 22, (89, 90, 91, 92))
-    assert plan.traced_bodies == 9
-    seen = sorted([l for l in plan.head] + list(plan.scanned) + list(plan.tail))
+def test_k3_plan_traces_three_bodies():
+    cfg = k3_full()
+    plan = plan_layers(cfg)
+    # three kinds: KDA + dense MLP (layer 0), KDA + MoE, MLA + MoE
+    assert plan.kinds == (("kda", False), ("kda", True), ("mla", True))
+    assert plan.traced_bodies == 3
+    assert [len(plan.layers_of(k)) for k in range(3)] == [1, 68, 24]
+    assert plan.locate(0) == (0, 0) and plan.locate(1) == (1, 0) and plan.locate(3) == (2, 0)
+    assert plan.locate(91) == (2, 22) and plan.locate(92) == (2, 23)
+    # every layer sits at exactly one (kind, row), rows in layer order within a kind
+    seen = sorted(l for k in range(3) for l in plan.layers_of(k))
     assert seen == list(range(93))
-    assert plan.locate(0) == ("head", 0, None)
-    assert plan.locate(1) == ("blocks", 0, 0) and plan.locate(88) == ("blocks", 3, 21)
-    assert plan.locate(92) == ("tail", 3, None)
+    for k in range(3):
+        assert [plan.locate(l) for l in plan.layers_of(k)] == [(k, r) for r in range(len(plan.layers_of(k)))]
+    for l in range(93):
+        k, _ = plan.locate(l)
+        assert plan.kinds[k] == (cfg.layer_types[l], bool(cfg.is_moe_layer(l)))
     with pytest.raises(IndexError):
         plan.locate(93)
 
@@ -33,17 +41,15 @@ def test_deeper_stacks_trace_the_same_bodies(layers):
     # graph does not grow with depth
     cfg = k3_small(num_hidden_layers=layers)
     plan = plan_layers(cfg)
-    assert plan.period == 4 and plan.traced_bodies == 9 and plan.groups == (layers - 5) // 4
-    for g in range(plan.groups):  # every scanned group has the same layer kinds
-        kinds = [cfg.layer_types[plan.layer_of(i, g)] for i in range(plan.period)]
-        assert kinds == [cfg.layer_types[plan.layer_of(i, 0)] for i in range(plan.period)]
-        assert all(cfg.is_moe_layer(plan.layer_of(i, g)) for i in range(plan.period))
+    assert plan.traced_bodies == 3
+    assert sum(len(plan.layers_of(k)) for k in range(3)) == layers
 
 
-def test_no_repeat_means_no_scan():
+def test_two_layers_two_kinds():
     cfg = k3_small(num_hidden_layers=2)
     plan = plan_layers(cfg)
-    assert plan.groups == 0 and plan.head == (0, 1) and plan.traced_bodies == 2
+    assert plan.kinds == (("kda", False), ("mla", True)) and plan.traced_bodies == 2
+    assert plan.locate(1) == (1, 0)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

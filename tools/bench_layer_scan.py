@@ -2,11 +2,11 @@
 
     PYTHONPATH=<dir holding k3serve> python tools/bench_layer_scan.py --model DIR [--rows 1] [--tokens 1]
 
-Loads the checkpoint twice: once with the plan ``model.layer_plan`` chooses (repeated layers
-as a ``lax.scan``) and once with every layer unrolled (the plan forced to all-``head``), and
-for each times the jitted ``KimiModel`` step on ``--rows`` rows of ``--tokens`` tokens at
-position 100 (the first call, which compiles, and the median of 20 after it). The two models
-have the same weights, so the logits must agree; the largest difference is printed.
+Runs the jitted ``KimiModel`` step twice: as the scan over layers (``model.layer_plan``) and
+unrolled (``KimiLM.step(..., unroll=True)``: the same layer code, one traced body per layer),
+each on ``--rows`` rows of ``--tokens`` tokens at position 100, timing the first call (which
+compiles) and the median of 20 after it. Same weights, so the logits must agree; the largest
+difference is printed.
 """
 from __future__ import annotations
 
@@ -19,29 +19,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import k3serve.model.k3 as k3
 from k3serve.model import load_pretrained
 from k3serve.model.cache import make_batch
-from k3serve.model.layer_plan import LayerPlan, plan_layers
+from k3serve.model.layer_plan import plan_layers
 
 
-def _unrolled(cfg) -> LayerPlan:
-    L = cfg.num_hidden_layers
-    return LayerPlan(L, tuple(range(L)), L, 1, 0, ())
-
-
-def measure(model_dir: str, rows: int, tokens: int, unrolled: bool, steps: int = 20) -> dict:
-    k3.plan_layers = _unrolled if unrolled else plan_layers
-    try:
-        m = load_pretrained(model_dir)
-    finally:
-        k3.plan_layers = plan_layers
+def measure(m, rows: int, tokens: int, unrolled: bool, steps: int = 20) -> dict:
     cache = m.new_cache(rows + 1, 32 * rows)
     table = np.arange(32 * rows, dtype=np.int32).reshape(rows, 32)
     ids = np.arange(rows * tokens, dtype=np.int32).reshape(rows, tokens) % m.config.vocab_size
     b = make_batch(ids, [100] * rows, [tokens] * rows, list(range(rows)), table)
     at = jnp.full((rows,), tokens - 1, jnp.int32)
-    f = jax.jit(lambda p, c, b: nnx.merge(m.graphdef, p)(b, c, logits_at=at), donate_argnums=(1,))
+    f = jax.jit(lambda p, c, b: nnx.merge(m.graphdef, p)(b, c, logits_at=at, unroll=unrolled), donate_argnums=(1,))
     t = time.perf_counter()
     logits, cache = f(m.params, cache, b)
     logits.block_until_ready()
@@ -62,14 +51,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=1)
     a = ap.parse_args(argv)
+    m = load_pretrained(a.model)
     res = {}
     for name, unrolled in (("scan", False), ("unrolled", True)):
-        res[name] = measure(a.model, a.rows, a.tokens, unrolled)
+        res[name] = measure(m, a.rows, a.tokens, unrolled)
         jax.clear_caches()
     diff = float(np.max(np.abs(res["scan"]["logits"] - res["unrolled"]["logits"])))
-    plan = plan_layers(load_pretrained(a.model).config)
-    print(f"plan: head {plan.head}, {plan.groups} x {plan.period} scanned from layer {plan.start}, tail {plan.tail}"
-          f" -> {plan.traced_bodies} traced bodies (unrolled: {plan.num_layers})")
+    plan = plan_layers(m.config)
+    print(f"plan: kinds {plan.kinds} -> {plan.traced_bodies} traced bodies (unrolled: {plan.num_layers})")
     for name in ("scan", "unrolled"):
         r = res[name]
         print(f"{name:9s} compile+first {r['compile_and_first_s']:7.2f} s   step {r['step_ms']:8.2f} ms")

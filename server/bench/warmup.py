@@ -8,7 +8,7 @@ the demo), then a fresh Python process loads it and builds the engine exactly as
 serve`` does with its default flags (prefix caching on, 4 rows, 256-token budget), without
 the persistent compilation cache: ``warmup_s`` is the cold compile of every step program.
 The depths run one after the other in one invocation, so their ratio is side by side. With
-the layer scan (``model.layer_plan``) the traced graph is the same 9 layer bodies at every
+the layer scan (``model.layer_plan``) the traced graph is the same 3 layer bodies at every
 depth, so warm-up should barely grow with L.
 """
 from __future__ import annotations
@@ -36,8 +36,7 @@ eng = Engine(m, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_
 from k3serve.model.layer_plan import plan_layers
 plan = plan_layers(m.config)
 print(json.dumps({"load_s": round(t1 - t0, 2), "warmup_s": round(eng.warmup_s, 2),
-                  "programs": eng.stats()["num_compiles"], "traced_layer_bodies": plan.traced_bodies,
-                  "scanned_groups": plan.groups}))
+                  "programs": eng.stats()["num_compiles"], "traced_layer_bodies": plan.traced_bodies}))
 """
 
 
