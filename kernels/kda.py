@@ -45,6 +45,30 @@ def kda_recurrent(q, k, v, g, beta, state):
     return jnp.moveaxis(o, 0, T_axis), S
 
 
+def kda_decode_step(q, k, v, g, beta, state):
+    """One token per row, exact: q, k, g [..., H, dk], v [..., H, dv], beta [..., H], state
+    [..., H, dk, dv] -> (o [..., H, dv], new state).
+
+    The same update as :func:`kda_recurrent`, rearranged so the state is read once by one
+    batched matmul (``[k e^g ; q e^g] . S``) and written once: ``o = q . S'`` is
+    ``(q e^g) . S + (q . k) delta``. Written as the recurrence, XLA fuses the prediction
+    ``k . S`` (and the producers of ``k`` and ``g``) into the elementwise state update and
+    recomputes them for every state element (0.2 ms per layer at one row of 8 x 64 x 64
+    heads on the CPU, against 0.03 ms for reading and writing the state)."""
+    f32 = jnp.float32
+    q, k, v, g, beta, S = (x.astype(f32) for x in (q, k, v, g, beta, state))
+    eg = jnp.exp(g)
+    r = jnp.einsum("...jk,...kv->...jv", jnp.stack([k * eg, q * eg], axis=-2), S)  # [..., H, 2, dv]
+    delta = (v - r[..., 0, :]) * beta[..., None]
+    o = r[..., 1, :] + jnp.sum(q * k, axis=-1)[..., None] * delta
+    # k (x) delta as a matmul over a padded pair: its operands are materialised, so the
+    # producers of k and delta (the short conv, the key norm) run once, not once per state
+    # element as they would fused into an elementwise outer product
+    kz = jnp.stack([k, jnp.zeros_like(k)], axis=-2)  # [..., H, 2, dk]
+    dz = jnp.stack([delta, jnp.zeros_like(delta)], axis=-2)  # [..., H, 2, dv]
+    return o, S * eg[..., None] + jnp.einsum("...jk,...jv->...kv", kz, dz)
+
+
 def unit_lower_solve(A, *rhs):
     """Solve ``(I + A) X = R`` for each ``R`` in ``rhs`` ([..., C, d]), A [..., C, C] strictly lower.
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .kda import blocked_unit_lower_solve, kda_chunk, kda_recurrent
+from .kda import blocked_unit_lower_solve, kda_chunk, kda_decode_step
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -161,10 +161,9 @@ def kda_ragged(q, k, v, g, beta, state_rows, tok_row, cu_q_lens, q_lens, start_p
     # ---- decode rows: one recurrent step for all R rows, one gathered token per row
     is_dec = ql == 1
     t_dec = jnp.minimum(cu[:R], T - 1)
-    o1, S1 = kda_recurrent(q[t_dec][:, None], k[t_dec][:, None], v[t_dec][:, None], g[t_dec][:, None],
-                           beta[t_dec][:, None], S0)
+    o1, S1 = kda_decode_step(q[t_dec], k[t_dec], v[t_dec], g[t_dec], beta[t_dec], S0)
     o_buf = jnp.zeros((T + C, H, dv), F32)  # C extra rows: a tile's slice never clamps
-    o_buf = o_buf.at[jnp.where(is_dec, t_dec, T + C)].set(o1[:, 0], mode="drop")
+    o_buf = o_buf.at[jnp.where(is_dec, t_dec, T + C)].set(o1, mode="drop")
     new_state = jnp.where(is_dec[:, None, None, None], S1, S0)
 
     srow = jnp.minimum(snap_row, R - 1).astype(I32)

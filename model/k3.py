@@ -11,7 +11,9 @@ stack runs as one ``lax.scan`` over the layers (``model.layer_plan``).
 
 Parameters are stacked by layer kind: ``blocks[k]`` holds every layer of kind ``k`` (KDA +
 dense MLP, KDA + MoE, MLA + MoE), ``[layers of the kind, ...]``. ``layer(l)`` finds any
-layer; checkpoint names stay ``model.layers.{l}.*`` (``weights.py``).
+layer; checkpoint names stay ``model.layers.{l}.*`` (``weights.py``). A layer runs in two
+halves (``_layer_in``, ``_layer_out``) with the KDA-row, MLA-pool and AttnRes updates between
+them, outside the per-kind ``lax.switch`` (docs/model.md, "The layer scan").
 
 ``step`` is a pure function of the flattened step (``model.step.FlatBatch``): (batch, cache)
 -> (logits, new cache[, intermediates]); ``__call__`` runs it on a padded ``[B, T]`` batch.
@@ -31,7 +33,7 @@ from .step import FlatBatch, flatten_padded, unflatten
 from .kda import KDA
 from .layer_plan import plan_layers
 from .layers import F32, AttnResWeights, GatedMLP, Linear, RMSNorm, attn_res_bank, param
-from .mla import MLA
+from .mla import MLA, write_latent_rows
 from .moe import MoE
 
 
@@ -87,54 +89,67 @@ class _Step:
         return v if self.par is None else self.par.sp_gather(v)
 
 
-def _run_layer(layer: DecoderLayer, carry: dict, boundary, kda_rows, mla_layer, ctx: _Step, group=None):
-    """One decoder layer. ``carry``: ``p`` (prefix sum / residual [T, D] fp32), ``bank`` and
-    ``count`` (AttnRes), ``kv`` (the MLA pool). ``boundary`` (bool, static or traced): this
-    layer starts an AttnRes block. ``kda_rows``: (conv, state) rows of a KDA layer;
-    ``mla_layer``: an MLA layer's index in the pool. ``group``: in the scan, the layer's row of
-    the routed-expert stacks, which the layer holds whole. Returns (carry, KDA outputs, record)."""
-    fb = ctx.fb
-    p, bank, count, kv = carry["p"], carry.get("bank"), carry.get("count"), carry["kv"]
-    aux = {} if ctx.capture else None
-    if ctx.attn_res:
-        x = attn_res_bank(bank, count, p, layer.self_attention_res, ctx.eps)
-        if isinstance(boundary, bool):
-            if boundary:
-                bank = jax.lax.dynamic_update_index_in_dim(bank, p, count, 0)
-                count, p = count + 1, None
-        else:  # traced: write the slot either way (the old value when not a boundary)
-            old = jax.lax.dynamic_index_in_dim(bank, count, 0, keepdims=False)
-            bank = jax.lax.dynamic_update_index_in_dim(bank, jnp.where(boundary, p, old), count, 0)
-            count = count + boundary.astype(count.dtype)
-            p = jnp.where(boundary, 0.0, p)
-    else:
-        x = p
+def _layer_in(layer: DecoderLayer, st: dict, kda_rows, ctx: _Step, aux):
+    """First half of a layer, before the MLA pool write: the AttnRes mix (or the residual) and
+    the input norm; a KDA layer's whole attention; an MLA layer's latent rows.
+
+    ``st``: ``p`` (prefix sum / residual [T, D] fp32), ``bank`` and ``count`` (AttnRes), read
+    only. Returns ``(t, lat, new)``: the attention output (KDA) or the normalised input (MLA);
+    the latent rows to write (MLA) or ``None``; the KDA outputs (conv, state, snapshot conv,
+    snapshot state) or ``None``. In the scan every big buffer (the MLA pool, the KDA rows of
+    all layers) stays outside the ``lax.switch`` that runs this: a switch's outputs are new
+    buffers, so a pool passed through it would be copied once per layer."""
+    p = st["p"]
+    x = attn_res_bank(st["bank"], st["count"], p, layer.self_attention_res, ctx.eps) if ctx.attn_res else p
     a_in = ctx.gather(layer.input_layernorm(x).astype(ctx.dtype))
-    new = None
+    if aux is not None:
+        aux["attn_in"] = x
     if layer.kind == "kda":
-        out, new = layer.self_attn.flat(a_in, kda_rows[0], kda_rows[1], fb, aux, par=ctx.par)
-    else:
-        out, kv, rows = layer.self_attn.flat(a_in, kv, mla_layer, fb, par=ctx.par)
-        if aux is not None:
-            aux["mla_rows"] = rows
-    out = ctx.scatter(out)
+        out, new = layer.self_attn.flat(a_in, kda_rows[0], kda_rows[1], ctx.fb, aux, par=ctx.par)
+        return ctx.scatter(out).astype(ctx.dtype), None, new
+    return a_in, layer.self_attn.latent_rows(a_in), None
+
+
+def _layer_out(layer: DecoderLayer, t, st: dict, kv, mla_layer, ctx: _Step, aux, group=None):
+    """Second half of a layer, after the AttnRes boundary update of ``st`` and the MLA pool
+    write: an MLA layer's attention over the pool (``kv``, read only), the residual or AttnRes
+    mix, the FFN. ``group``: in the scan, the layer's row of the routed-expert stacks, which
+    the layer holds whole. Returns the new ``p``."""
+    fb = ctx.fb
+    out = t if layer.kind == "kda" else ctx.scatter(layer.self_attn.attend(t, kv, mla_layer, fb, par=ctx.par))
+    p, bank, count = st["p"], st.get("bank"), st.get("count")
     if ctx.attn_res:
-        p = out.astype(F32) if p is None else p + out
+        p = p + out
         y = attn_res_bank(bank, count, p, layer.mlp_res, ctx.eps)
     else:
-        p = x + out
+        p = p + out
         y = p
     f = ctx.scatter(layer.ffn(ctx.gather(layer.post_attention_layernorm(y).astype(ctx.dtype)), aux, ctx.par,
                               valid=fb.valid, group=group))
     p = p + f
     if aux is not None:
-        aux.update(attn_in=x, attn_out=out, mlp_in=y, mlp_out=f, prefix_sum=p)
+        aux.update(attn_out=out, mlp_in=y, mlp_out=f, prefix_sum=p)
         if ctx.attn_res:
             aux["num_blocks"] = count
-    carry = dict(carry, p=p, kv=kv)
-    if ctx.attn_res:
-        carry.update(bank=bank, count=count)
-    return carry, new, aux
+    return p
+
+
+def _boundary_update(st: dict, boundary, ctx: _Step) -> dict:
+    """AttnRes: a layer that starts a block pushes the prefix sum into the bank and restarts
+    it (``boundary`` static or traced). Without AttnRes nothing changes."""
+    if not ctx.attn_res:
+        return st
+    p, bank, count = st["p"], st["bank"], st["count"]
+    if isinstance(boundary, bool):
+        if boundary:
+            bank = jax.lax.dynamic_update_index_in_dim(bank, p, count, 0)
+            count, p = count + 1, jnp.zeros_like(p)
+    else:  # traced: write the slot either way (the old value when not a boundary)
+        old = jax.lax.dynamic_index_in_dim(bank, count, 0, keepdims=False)
+        bank = jax.lax.dynamic_update_index_in_dim(bank, jnp.where(boundary, p, old), count, 0)
+        count = count + boundary.astype(count.dtype)
+        p = jnp.where(boundary, 0.0, p)
+    return dict(st, p=p, bank=bank, count=count)
 
 
 class KimiLM(nnx.Module):
@@ -233,30 +248,76 @@ class KimiLM(nnx.Module):
         # them is a copy of the layer's experts per layer (50 MB on the 105M checkpoint);
         # the other parameters are sliced per layer
         parts = [nnx.split(blk, nnx.Not(_EXPERTS), _EXPERTS) for blk in self.blocks]
+        layer_of = lambda k, row: nnx.merge(parts[k][0], jax.tree.map(lambda a: a[row], parts[k][1]), parts[k][2])
+        st_keys = ("p", "bank", "count") if cfg.uses_attn_res else ("p",)
+        n_kda, n_mla = len(kda_idx), len(mla_idx)
+        kv_width, kv_dtype = cache.mla_kv.shape[-1], cache.mla_kv.dtype
+        T = fb.ids.shape[0]
 
-        def run(k, carry, row, flag, kda_j, mla_j):
-            graphdef, rest, experts = parts[k]
-            layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[row], rest), experts)
-            rows = (carry["conv"][kda_j], carry["state"][kda_j]) if layer.kind == "kda" else None
-            carry, new, aux = _run_layer(layer, carry, flag, rows, mla_j, ctx, group=row)
-            if new is not None:
-                put_row = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), kda_j, 0)
-                carry = dict(carry, **{n: put_row(carry[n], v) for n, v in
-                                       zip(("conv", "state", "snap_conv", "snap_state"), new)})
-            return carry, aux
+        kda_keys = ("conv", "state", "snap_conv", "snap_state")
+        kda_shapes = [carry[n].shape[1:] for n in kda_keys] if n_kda else []
+
+        def half_in(k, st, conv, state, row, aux=None, pad=False):
+            """Static kind ``k``: ``(t, lat, new)``; with ``pad`` every output is present (zeros
+            where the kind has none), as the switch's branches must agree."""
+            layer = layer_of(k, row)
+            t, lat, new = _layer_in(layer, st, (conv, state), ctx, aux)
+            if pad and n_mla and lat is None:
+                lat = jnp.zeros((T, kv_width), kv_dtype)
+            if pad and n_kda and new is None:
+                new = tuple(jnp.zeros(shape, F32) for shape in kda_shapes)
+            return t, (None if lat is None else lat.astype(kv_dtype)), (None if new is None else tuple(
+                v.astype(F32) for v in new))
+
+        def half_out(k, t, st, kv, row, mla_j, aux=None):
+            return _layer_out(layer_of(k, row), t, st, kv, mla_j, ctx, aux, group=row)
+
+        def layer_step(carry, k, row, flag, kda_j, mla_j, is_kda, is_mla, aux=None):
+            """One layer: ``k`` and the rest static (unrolled) or traced (scan)."""
+            st = {n: carry[n] for n in st_keys}
+            conv = state = None
+            if n_kda:
+                conv, state = carry["conv"][kda_j], carry["state"][kda_j]
+            if isinstance(k, int):
+                t, lat, new = half_in(k, st, conv, state, row, aux)
+            else:
+                t, lat, new = jax.lax.switch(k, [functools.partial(half_in, i, pad=True) for i in range(len(plan.kinds))],
+                                             st, conv, state, row)
+            carry = dict(carry)
+            if n_kda and (is_kda is not False):  # a non-KDA layer's zeros go to a dropped index
+                at = kda_j if is_kda is True else jnp.where(is_kda, kda_j, n_kda)
+                for n, v in zip(kda_keys, new):
+                    carry[n] = carry[n].at[at].set(v, mode="drop")
+            if n_mla and (is_mla is not False):  # a non-MLA layer writes no rows
+                wfb = fb if is_mla is True else dataclasses.replace(fb, tok_row=jnp.where(is_mla, fb.tok_row, -1))
+                carry["kv"] = write_latent_rows(lat, carry["kv"], mla_j, wfb, par=ctx.par)
+                if aux is not None:
+                    aux["mla_rows"] = lat
+            st = _boundary_update(st, flag, ctx)
+            if isinstance(k, int):
+                p = half_out(k, t, st, carry["kv"], row, mla_j, aux)
+            else:
+                p = jax.lax.switch(k, [functools.partial(half_out, i) for i in range(len(plan.kinds))],
+                                   t, st, carry["kv"], row, mla_j)
+            carry.update(st, p=p)
+            return carry
 
         records: list = []
         if capture or unroll:
             for l in range(L):
                 k, row = plan.locate(l)
-                carry, aux = run(k, carry, row, boundary(l), int(kda_of[l]), int(mla_of[l]))
-                records.append(aux)
+                aux = {} if capture else None
+                carry = layer_step(carry, k, row, boundary(l), int(kda_of[l]), int(mla_of[l]),
+                                   l in kda_idx, l in mla_idx, aux)
+                if aux is not None:
+                    records.append(aux)
         else:
             xs = {"kind": np.array(plan.kind_of, np.int32), "row": np.array(plan.row_of, np.int32),
-                  "flag": np.array([boundary(l) for l in range(L)]), "kda": kda_of, "mla": mla_of}
-            branches = [functools.partial(lambda k, c, x: run(k, c, x["row"], x["flag"], x["kda"], x["mla"])[0], k)
-                        for k in range(len(plan.kinds))]
-            carry, _ = jax.lax.scan(lambda c, x: (jax.lax.switch(x["kind"], branches, c, x), None), carry, xs)
+                  "flag": np.array([boundary(l) for l in range(L)]), "kda": kda_of, "mla": mla_of,
+                  "is_kda": np.array([l in kda_idx for l in range(L)]),
+                  "is_mla": np.array([l in mla_idx for l in range(L)])}
+            carry, _ = jax.lax.scan(lambda c, x: (layer_step(c, x["kind"], x["row"], x["flag"], x["kda"], x["mla"],
+                                                             x["is_kda"], x["is_mla"]), None), carry, xs)
 
         kda_state, kda_conv = cache.kda_state, cache.kda_conv
         if kda_idx:

@@ -18,6 +18,16 @@ from .layers import F32, Linear, RMSNorm
 from .step import local_rows
 
 
+def write_latent_rows(rows, kv_pool, layer, fb, par=None):
+    """Write a flattened step's latent ``rows`` [T, W] (``MLA.latent_rows`` of the layer input)
+    into layer ``layer`` of the stacked pool; tokens with no row (``fb.tok_row < 0``) are
+    dropped. Returns the pool."""
+    if par is not None:  # decode context parallelism / attention DP (sharding.parallel)
+        return par.mla_write_flat(rows, kv_pool, layer, fb)
+    tok_row = local_rows(fb.tok_row, fb.num_rows)
+    return ops.write_kv_rows(kv_pool, rows, fb.page_table, tok_row, fb.pos, layer=layer)
+
+
 class MLA(nnx.Module):
     def __init__(self, cfg, dtype):
         D, H = cfg.hidden_size, cfg.mla_num_heads
@@ -47,27 +57,32 @@ class MLA(nnx.Module):
         c, kr = ckv[..., : self.cfg.kv_lora_rank], ckv[..., self.cfg.kv_lora_rank :]
         return jnp.concatenate([self.kv_a_layernorm(c), kr], axis=-1)
 
-    def flat(self, x, kv_pool, layer, fb, par=None):
-        """The layer on a flattened step (``model.step.FlatBatch``): x [T, D]; writes the step's
-        latent rows into this layer's pages and attends. Returns (out [T, D], pool, rows)."""
+    def attend(self, x, kv_pool, layer, fb, par=None):
+        """Attention of the step's tokens x [T, D] over this layer's pages (the step's own rows
+        already written by :func:`write_latent_rows`); returns out [T, D]."""
         cfg = self.cfg
         T = x.shape[0]
         H, nope, R, dv, Lr = cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         q = self.query(x).reshape(T, H, nope + R)
         q_nope, q_rope = q[..., :nope], q[..., nope:]
-        rows = self.latent_rows(x)
         wkv = self.kv_b_proj.weight[...].reshape(H, nope + dv, Lr)
         w_uk, w_uv = wkv[:, :nope], wkv[:, nope:]
         q_lat = jnp.einsum("thn,hnl->thl", q_nope.astype(F32), w_uk.astype(F32))
         scale = cfg.qk_head_dim ** -0.5
         if par is None:
             tok_row = local_rows(fb.tok_row, fb.num_rows)
-            kv_pool = ops.write_kv_rows(kv_pool, rows, fb.page_table, tok_row, fb.pos, layer=layer)
             out_lat = ops.mla_ragged_attention(q_lat, q_rope, kv_pool, fb.page_table, tok_row, fb.pos, fb.kv_lens,
                                                fb.cu_q_lens, fb.q_lens, scale, Lr, layer=layer)
-        else:  # decode context parallelism / attention DP (sharding.parallel)
-            kv_pool, out_lat = par.mla_attention_flat(q_lat, q_rope, rows, kv_pool, layer, fb, scale, Lr)
+        else:
+            out_lat = par.mla_attend_flat(q_lat, q_rope, kv_pool, layer, fb, scale, Lr)
         o = jnp.einsum("thl,hvl->thv", out_lat, w_uv.astype(F32)).reshape(T, H * dv)
         if cfg.mla_output_gate:
             o = o * jax.nn.sigmoid(self.g_proj(x).astype(F32))
-        return self.o_proj(o.astype(x.dtype)), kv_pool, rows
+        return self.o_proj(o.astype(x.dtype))
+
+    def flat(self, x, kv_pool, layer, fb, par=None):
+        """The layer on a flattened step (``model.step.FlatBatch``): x [T, D]; writes the step's
+        latent rows into this layer's pages and attends. Returns (out [T, D], pool, rows)."""
+        rows = self.latent_rows(x)
+        kv_pool = write_latent_rows(rows, kv_pool, layer, fb, par)
+        return self.attend(x, kv_pool, layer, fb, par), kv_pool, rows

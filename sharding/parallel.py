@@ -3,7 +3,8 @@
 ``model/`` never names a mesh axis. The runner hands the model a :class:`StepParallel`
 (``par``); where the model has a ``par`` it asks it for
 
-* ``mla_attention_flat`` — write this step's latent rows into the paged MLA pool and attend,
+* ``mla_write_flat`` / ``mla_attend_flat`` — write this step's latent rows into the paged MLA
+  pool, then attend (two calls, so the write stays outside the layer scan's ``lax.switch``),
   with **decode context parallelism** and **attention DP**: inside a ``shard_map`` over the
   whole mesh every rank holds one block of the pool's pages (the page dim is split over
   ``("dp",) + dcp_axes``); the engine's allocator deals page k of a sequence of DP group g to
@@ -103,27 +104,44 @@ class StepParallel:
                                              for k, v in sh.items()})
 
     # ------------------------------------------------------------------ MLA with DCP / DP
-    def mla_attention_flat(self, q_lat, q_rope, rows, kv_pool, layer, fb, scale: float, latent_dim: int):
-        """Write the step's latent ``rows`` [T, W] into the pool and attend (flattened step,
-        ``model.step.FlatBatch``); returns (pool, out_lat [T, H, latent])."""
-        from ..kernels.mla_ragged import mla_ragged_attention, write_kv_rows
+    def _mla_specs(self):
+        q_spec = P(self.rows_axis, self._ax(self.head_axes), None)
+        return q_spec, P(self.rows_axis), P(None, self._ax(self.page_axes), None, None)
+
+    def _local_table(self, table, ppr):
+        """This rank's page ids in ``table`` (``-1``: a page in another rank's block)."""
+        base = _flat_index(self.page_axes, self.sizes) * ppr if self.page_axes else jnp.int32(0)
+        return jnp.where((table - base >= 0) & (table - base < ppr), table - base, -1)
+
+    def mla_write_flat(self, rows, kv_pool, layer, fb):
+        """Write the step's latent ``rows`` [T, W] into layer ``layer`` of the pool; each rank
+        writes only the rows whose page lives in its block. Returns the pool."""
+        from ..kernels.mla_ragged import write_kv_rows
+        from ..model.step import local_rows
+
+        _, r_spec, pool_spec = self._mla_specs()
+
+        def local(new_rows, pool, table, tok_row, pos, layer):
+            tok_row = local_rows(tok_row, table.shape[0])
+            return write_kv_rows(pool, new_rows, self._local_table(table, pool.shape[1]), tok_row, pos, layer=layer)
+
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(r_spec, pool_spec, r_spec, r_spec, r_spec, P()),
+                           out_specs=pool_spec, check_vma=False)
+        return fn(rows, kv_pool, fb.page_table, fb.tok_row, fb.pos, jnp.asarray(layer, jnp.int32))
+
+    def mla_attend_flat(self, q_lat, q_rope, kv_pool, layer, fb, scale: float, latent_dim: int):
+        """Attend over layer ``layer`` of the pool (the step's rows already written by
+        :meth:`mla_write_flat`); returns out_lat [T, H, latent]."""
+        from ..kernels.mla_ragged import mla_ragged_attention
         from ..model.step import local_rows
 
         dcp, sizes, dcp_ax = self.dcp, self.sizes, self.dcp_axes
-        page_axes = self.page_axes
-        rows_ax, heads = self.rows_axis, self._ax(self.head_axes)
-        q_spec = P(rows_ax, heads, None)
-        r_spec = P(rows_ax)
-        pool_spec = P(None, self._ax(page_axes), None, None)
+        q_spec, r_spec, pool_spec = self._mla_specs()
 
-        def local(q_lat, q_rope, new_rows, pool, table, tok_row, pos, kv_lens, cu, q_lens, layer):
-            R = q_lens.shape[0]
-            tok_row = local_rows(tok_row, R)
+        def local(q_lat, q_rope, pool, table, tok_row, pos, kv_lens, cu, q_lens, layer):
+            tok_row = local_rows(tok_row, q_lens.shape[0])
             ppr = pool.shape[1]  # pages in this rank's block
-            base = _flat_index(page_axes, sizes) * ppr if page_axes else jnp.int32(0)
-            # write: only rows whose page lives in this rank's block (other ids are dropped)
-            local_table = jnp.where((table - base >= 0) & (table - base < ppr), table - base, -1)
-            pool = write_kv_rows(pool, new_rows, local_table, tok_row, pos, layer=layer)
+            local_table = self._local_table(table, ppr)
             # attend over this rank's columns of the page table: pages r, r + dcp, ...
             if dcp > 1:
                 r = _flat_index(dcp_ax, sizes)
@@ -143,12 +161,12 @@ class StepParallel:
                 num = jax.lax.psum(out * w[..., None], dcp_ax)
                 den = jax.lax.psum(w, dcp_ax)
                 out = num / jnp.where(den > 0, den, 1.0)[..., None]
-            return pool, out
+            return out
 
         fn = jax.shard_map(local, mesh=self.mesh,
-                           in_specs=(q_spec, q_spec, r_spec, pool_spec, r_spec, r_spec, r_spec, r_spec, r_spec, r_spec, P()),
-                           out_specs=(pool_spec, q_spec), check_vma=False)
-        return fn(q_lat, q_rope, rows, kv_pool, fb.page_table, fb.tok_row, fb.pos, fb.kv_lens, fb.cu_q_lens, fb.q_lens,
+                           in_specs=(q_spec, q_spec, pool_spec, r_spec, r_spec, r_spec, r_spec, r_spec, r_spec, P()),
+                           out_specs=q_spec, check_vma=False)
+        return fn(q_lat, q_rope, kv_pool, fb.page_table, fb.tok_row, fb.pos, fb.kv_lens, fb.cu_q_lens, fb.q_lens,
                   jnp.asarray(layer, jnp.int32))
 
     # ------------------------------------------------------------------ KDA core by DP group

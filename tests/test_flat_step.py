@@ -172,3 +172,48 @@ def test_fresh_row_ignores_its_read_slot(model, step_fn):
     lb, cb = step_fn(_flat([row]), dirty)
     np.testing.assert_array_equal(np.asarray(la)[:70], np.asarray(lb)[:70])
     np.testing.assert_array_equal(np.asarray(ca.kda_state)[:, 3], np.asarray(cb.kda_state)[:, 3])
+
+
+def _loop_computations(hlo: str) -> dict[str, list[str]]:
+    """The computations of an HLO module run by its top-level while loops (bodies and all they
+    call), name -> instruction lines."""
+    import re
+
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?(%[\w.-]+) ", line)
+        if head and line.rstrip().endswith("{"):
+            name = "ENTRY" if line.startswith("ENTRY") else head.group(1)
+            comps[name] = []
+        elif name is not None:
+            comps[name].append(line)
+    callees = lambda lines: {c for ln in lines for c in re.findall(r"(?:calls|body|condition|to_apply)=(%[\w.-]+)", ln)
+                             + [c for grp in re.findall(r"branch_computations=\{([^}]*)\}", ln)
+                                for c in re.findall(r"%[\w.-]+", grp)]}
+    todo = [m for ln in comps["ENTRY"] if " while(" in ln for m in re.findall(r"body=(%[\w.-]+)", ln)]
+    seen: dict[str, list[str]] = {}
+    while todo:
+        c = todo.pop()
+        if c not in seen and c in comps:
+            seen[c] = comps[c]
+            todo += list(callees(comps[c]))
+    return seen
+
+
+def test_step_updates_big_buffers_in_place(model):
+    """In the compiled step (cache donated, as the engine runs it) the layer loop copies
+    neither the MLA pool nor the carried KDA rows: the per-kind ``lax.switch`` only reads them
+    (a buffer passed through a switch is copied on every layer)."""
+    graphdef = model.graphdef
+    cache = model.new_cache(NUM_SLOTS, NUM_PAGES)
+    fb = _flat([dict(ids=[3], start=7, read=1, write=1, pages=[0])])
+    step = jax.jit(lambda p, fb, c: nnx.merge(graphdef, p).step(fb, c), donate_argnums=(2,))
+    loop = _loop_computations(step.lower(model.params, fb, cache).compile().as_text())
+    assert loop, "no layer loop in the compiled step"
+    n_kda = cache.kda_state.shape[0]
+    shapes = {"mla pool": cache.mla_kv.shape, "kda state rows": (n_kda, R) + cache.kda_state.shape[2:],
+              "kda conv rows": (n_kda, R) + cache.kda_conv.shape[2:]}
+    for what, shape in shapes.items():
+        pattern = f"f32[{','.join(map(str, shape))}]" + "{"
+        copies = [ln.strip()[:160] for lines in loop.values() for ln in lines if pattern in ln and " copy(" in ln]
+        assert not copies, f"{what} {shape} copied in the layer loop: {copies[:2]}"
