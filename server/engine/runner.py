@@ -376,9 +376,10 @@ class Runner:
         return self.table, jnp.asarray(meta), self._zero_prev
 
     def warmup(self, workers: int | None = None) -> int:
-        """Compile every token bucket ahead of time, ``workers`` programs at once; returns
-        compiles. XLA's CPU compiler already keeps 2 cores busy with one program, so the
-        default is one worker below 8 host cores.
+        """Compile every token bucket ahead of time; returns compiles. Tracing and lowering
+        (Python, under the GIL) run on this thread while XLA compiles the previous bucket on
+        ``workers`` threads (XLA releases the GIL). XLA's CPU compiler already keeps about 1.7
+        cores busy with one program, so the default is one compile thread below 8 host cores.
 
         The compiled executables are kept and called directly by ``launch``; a bucket that
         was not compiled here would fall back to ``jax.jit`` (and count as a compile)."""
@@ -389,14 +390,13 @@ class Runner:
         shapes = [s for s in self.shape_buckets() if s not in self._compiled]
         cpus = os.cpu_count() or 1
         workers = workers or (1 if cpus < 8 else min(8, cpus // 4))
-
-        def one(T):
-            args = self._padding_args(T)
-            return T, self._jit(T).lower(self.model.params, self.cache_mgr.device_cache, *args).compile()
-
         with cf.ThreadPoolExecutor(workers, thread_name_prefix="k3-compile") as ex:
-            for T, exe in ex.map(one, shapes):
-                self._compiled[T] = exe
+            futures = {}
+            for T in shapes:
+                lowered = self._jit(T).lower(self.model.params, self.cache_mgr.device_cache, *self._padding_args(T))
+                futures[T] = ex.submit(lowered.compile)
+            for T, fut in futures.items():
+                self._compiled[T] = fut.result()
         # run each program once (first-run allocations), with the cache flowing through
         for T in shapes:
             args = self._padding_args(T)
