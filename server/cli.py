@@ -198,7 +198,8 @@ def cmd_plan(args) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         plans.append(plan_memory(cfg, r, inv, context_len=args.context_len, hbm_gb=args.hbm_gb,
-                                 usable_fraction=args.usable_fraction))
+                                 usable_fraction=args.usable_fraction,
+                                 snapshots_per_request=args.snapshots_per_request))
     if args.json:
         import dataclasses
 
@@ -312,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--context-len", type=int, default=131072)
     pl.add_argument("--hbm-gb", type=float, default=192.0, help="HBM per device (TPU v7: 192)")
     pl.add_argument("--usable-fraction", type=float, default=0.9)
+    pl.add_argument("--snapshots-per-request", type=float, default=2.0,
+                    help="prefix-cache KDA snapshot slots per request (serve's default 2 x max-num-seqs "
+                         "slots: 2; 0 with --no-prefix-caching)")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 

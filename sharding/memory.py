@@ -17,8 +17,11 @@ the sharding rules of #5 follow it):
 Per request, per device: the MLA latent cache is shared by all query heads, so with plain
 attention TP every rank of the group keeps the whole cache of the group's sequences; DCP
 deals a sequence's pages over ``dcp`` ranks, dividing it by ``dcp``. KDA recurrent + conv
-state is split by head over the attention group. Attention DP groups hold disjoint
-requests, so the total concurrency is ``dp`` × what one group holds.
+state is split by head over the attention group. With prefix caching on, an engine also
+keeps KDA snapshot slots (``Engine(prefix_snapshots=)``, default 2 × ``max_num_seqs``): each
+is one request's KDA state, so the plan charges ``snapshots_per_request`` of them to every
+request (2 by default, as ``k3serve serve``; 0 with caching off). Attention DP groups hold
+disjoint requests, so the total concurrency is ``dp`` × what one group holds.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ class MemoryPlan:
     kv_per_token_per_device: float  # what one device holds per token of one of its sequences
     kda_state_per_request: int  # bytes, all KDA layers (state + conv window), whole request
     kda_state_per_request_per_device: float
+    snapshots_per_request: float  # prefix-cache KDA snapshot slots charged to each request
     context_len: int
     hbm_per_device: float
     usable_fraction: float
@@ -54,6 +58,8 @@ class MemoryPlan:
             ("MLA KV / token / device", f"{self.kv_per_token_per_device:,.0f} B"),
             ("KDA state / request", f"{self.kda_state_per_request / 2**20:,.1f} MiB"),
             ("KDA state / request / device", f"{self.kda_state_per_request_per_device / 2**20:,.2f} MiB"),
+            ("KDA snapshots / request / device",
+             f"{self.snapshots_per_request * self.kda_state_per_request_per_device / 2**20:,.2f} MiB"),
             (f"one request at {self.context_len:,} tokens / device",
              f"{self.per_request_per_device / GB:.3f} GB"),
             ("max concurrent requests", f"{self.max_concurrent_requests:,}"),
@@ -77,8 +83,10 @@ def weights_per_device(inventory, recipe: Recipe) -> float:
 
 
 def plan_memory(cfg, recipe: Recipe, inventory, *, context_len: int = 131072, hbm_gb: float = 192.0,
-                usable_fraction: float = 0.9, kv_itemsize: int = 2, state_itemsize: int = 4) -> MemoryPlan:
-    """Bytes per device and the max concurrent requests at ``context_len`` tokens each."""
+                usable_fraction: float = 0.9, kv_itemsize: int = 2, state_itemsize: int = 4,
+                snapshots_per_request: float = 2.0) -> MemoryPlan:
+    """Bytes per device and the max concurrent requests at ``context_len`` tokens each, each
+    request also paying ``snapshots_per_request`` prefix-cache KDA snapshot slots."""
     n_mla, n_kda = len(cfg.mla_layers), len(cfg.kda_layers)
     kv_token = n_mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * kv_itemsize
     kv_token_dev = kv_token / recipe.dcp
@@ -87,12 +95,15 @@ def plan_memory(cfg, recipe: Recipe, inventory, *, context_len: int = 131072, hb
     kda_req_dev = kda_req / recipe.attn_group
     w_dev = weights_per_device(inventory, recipe)
     hbm = hbm_gb * GB
-    per_req = context_len * kv_token_dev + kda_req_dev
+    if snapshots_per_request < 0:
+        raise ValueError("snapshots_per_request must be >= 0")
+    per_req = context_len * kv_token_dev + kda_req_dev * (1 + snapshots_per_request)
     free = hbm * usable_fraction - w_dev
     per_group = max(0, int(free // per_req)) if free > 0 else 0
     return MemoryPlan(recipe=recipe.name or str(recipe), devices=recipe.devices, weights_per_device=w_dev,
                       kv_per_token_total=kv_token, kv_per_token_per_device=kv_token_dev,
                       kda_state_per_request=kda_req, kda_state_per_request_per_device=kda_req_dev,
+                      snapshots_per_request=snapshots_per_request,
                       context_len=context_len, hbm_per_device=hbm, usable_fraction=usable_fraction,
                       per_request_per_device=per_req, max_concurrent_requests=per_group * recipe.dp)
 
