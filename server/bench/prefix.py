@@ -31,6 +31,7 @@ def _serve_and_replay(model, trace, *, block_size: int, time_scale: float, engin
     t = time.perf_counter()
     eng = Engine(model, **engine_kw)
     warm = time.perf_counter() - t
+    compiles_warm = eng.stats()["num_compiles"]
     loop = EngineThread(eng)
     server = GrpcServer(Servicer(served_model_name="bench"), host="127.0.0.1", port=0)
     server.set_ready(loop)
@@ -46,7 +47,8 @@ def _serve_and_replay(model, trace, *, block_size: int, time_scale: float, engin
             "prefix_bytes_peak")
     return {"warmup_s": round(warm, 1), "ok": res["ok"], "failed": res["failed"], "duration_s": round(res["duration_s"], 2),
             "ttft_ms": res["ttft_ms"], "e2e_ms": res["e2e_ms"], "prompt_tokens": res["prompt_tokens"],
-            "cached_tokens_reported": res["cached_tokens"], **{k: st[k] for k in keep if k in st}}
+            "cached_tokens_reported": res["cached_tokens"],
+            "compiles_after_warmup": st["num_compiles"] - compiles_warm, **{k: st[k] for k in keep if k in st}}
 
 
 def main(argv=None) -> int:
@@ -100,6 +102,7 @@ def main(argv=None) -> int:
         "ttft_p50_ms_on": p50(on), "ttft_p50_ms_off": p50(off),
         "ttft_p50_ratio_on_over_off": round(p50(on) / p50(off), 3) if p50(on) and p50(off) else None,
         "snapshot_bytes_held_end": on.get("snapshot_bytes"), "prefix_bytes_peak": on.get("prefix_bytes_peak"),
+        "compiles_after_warmup_on": on["compiles_after_warmup"], "compiles_after_warmup_off": off["compiles_after_warmup"],
     }
     return emit(report, a.json)
 
