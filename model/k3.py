@@ -117,13 +117,8 @@ def _layer_out(layer: DecoderLayer, t, st: dict, kv, mla_layer, ctx: _Step, aux,
     the layer holds whole. Returns the new ``p``."""
     fb = ctx.fb
     out = t if layer.kind == "kda" else ctx.scatter(layer.self_attn.attend(t, kv, mla_layer, fb, par=ctx.par))
-    p, bank, count = st["p"], st.get("bank"), st.get("count")
-    if ctx.attn_res:
-        p = p + out
-        y = attn_res_bank(bank, count, p, layer.mlp_res, ctx.eps)
-    else:
-        p = p + out
-        y = p
+    p, bank, count = st["p"] + out, st.get("bank"), st.get("count")
+    y = attn_res_bank(bank, count, p, layer.mlp_res, ctx.eps) if ctx.attn_res else p
     f = ctx.scatter(layer.ffn(ctx.gather(layer.post_attention_layernorm(y).astype(ctx.dtype)), aux, ctx.par,
                               valid=fb.valid, group=group))
     p = p + f
@@ -272,8 +267,12 @@ class KimiLM(nnx.Module):
         def half_out(k, t, st, kv, row, mla_j, aux=None):
             return _layer_out(layer_of(k, row), t, st, kv, mla_j, ctx, aux, group=row)
 
-        def layer_step(carry, k, row, flag, kda_j, mla_j, is_kda, is_mla, aux=None):
+        kind_is_kda = np.array([attn == "kda" for attn, _ in plan.kinds])
+
+        def layer_step(carry, k, row, flag, kda_j, mla_j, aux=None):
             """One layer: ``k`` and the rest static (unrolled) or traced (scan)."""
+            is_kda = bool(kind_is_kda[k]) if isinstance(k, int) else jnp.asarray(kind_is_kda)[k]
+            is_mla = not is_kda if isinstance(k, int) else ~is_kda
             st = {n: carry[n] for n in st_keys}
             conv = state = None
             if n_kda:
@@ -307,21 +306,18 @@ class KimiLM(nnx.Module):
             for l in range(L):
                 k, row = plan.locate(l)
                 aux = {} if capture else None
-                carry = layer_step(carry, k, row, boundary(l), int(kda_of[l]), int(mla_of[l]),
-                                   l in kda_idx, l in mla_idx, aux)
+                carry = layer_step(carry, k, row, boundary(l), int(kda_of[l]), int(mla_of[l]), aux)
                 if aux is not None:
                     records.append(aux)
         else:
             xs = {"kind": np.array(plan.kind_of, np.int32), "row": np.array(plan.row_of, np.int32),
-                  "flag": np.array([boundary(l) for l in range(L)]), "kda": kda_of, "mla": mla_of,
-                  "is_kda": np.array([l in kda_idx for l in range(L)]),
-                  "is_mla": np.array([l in mla_idx for l in range(L)])}
-            carry, _ = jax.lax.scan(lambda c, x: (layer_step(c, x["kind"], x["row"], x["flag"], x["kda"], x["mla"],
-                                                             x["is_kda"], x["is_mla"]), None), carry, xs)
+                  "flag": np.array([boundary(l) for l in range(L)]), "kda": kda_of, "mla": mla_of}
+            carry, _ = jax.lax.scan(lambda c, x: (layer_step(c, x["kind"], x["row"], x["flag"], x["kda"], x["mla"]),
+                                                  None), carry, xs)
 
         kda_state, kda_conv = cache.kda_state, cache.kda_conv
         if kda_idx:
-            conv_out, state_out, snap_conv, snap_state = (carry[n] for n in ("conv", "state", "snap_conv", "snap_state"))
+            conv_out, state_out, snap_conv, snap_state = (carry[n] for n in kda_keys)
             put = (lambda pool, s, v: pool.at[:, s].set(v, mode="drop")) if par is None else par.put_slots
             kda_conv = put(put(kda_conv, fb.write_slot, conv_out), fb.snap_slot, snap_conv)
             kda_state = put(put(kda_state, fb.write_slot, state_out), fb.snap_slot, snap_state)

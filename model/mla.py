@@ -79,10 +79,3 @@ class MLA(nnx.Module):
         if cfg.mla_output_gate:
             o = o * jax.nn.sigmoid(self.g_proj(x).astype(F32))
         return self.o_proj(o.astype(x.dtype))
-
-    def flat(self, x, kv_pool, layer, fb, par=None):
-        """The layer on a flattened step (``model.step.FlatBatch``): x [T, D]; writes the step's
-        latent rows into this layer's pages and attends. Returns (out [T, D], pool, rows)."""
-        rows = self.latent_rows(x)
-        kv_pool = write_latent_rows(rows, kv_pool, layer, fb, par)
-        return self.attend(x, kv_pool, layer, fb, par), kv_pool, rows
