@@ -224,9 +224,12 @@ def kda_ragged(q, k, v, g, beta, state_rows, tok_row, cu_q_lens, q_lens, start_p
         _, o_buf, new_state, snap_state = jax.lax.fori_loop(0, num_tiles, tile_body, init)
         return o_buf, new_state, snap_state
 
-    # a step without q_len >= 2 rows skips the tile path entirely (metadata, padding, loop)
-    o_buf, new_state, snap_state = jax.lax.cond(
-        jnp.any(ql >= 2), prefill, lambda *c: c, o_buf, new_state, jnp.zeros((NS, H, dk, dv), F32))
+    # a step without q_len >= 2 rows skips the tile path entirely (metadata, padding, loop);
+    # a one-token step cannot have one, so its program leaves the path out
+    snap_state = jnp.zeros((NS, H, dk, dv), F32)
+    if T > 1:
+        o_buf, new_state, snap_state = jax.lax.cond(jnp.any(ql >= 2), prefill, lambda *c: c, o_buf, new_state,
+                                                    snap_state)
 
     s_end = s_used & (slen == ql[srow])
     snap_state = jnp.where(s_end[:, None, None, None], new_state[srow], snap_state)

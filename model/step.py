@@ -103,14 +103,21 @@ def unflatten(x, index):
     return jnp.where(mask, got, jnp.zeros((), x.dtype))
 
 
-def token_buckets(budget: int, minimum: int = 16, factor: int = 4) -> list[int]:
-    """Token-count buckets: ``minimum`` times powers of ``factor``, then the budget itself as
-    the largest (a step is never padded past ``max_num_batched_tokens``)."""
-    out, b = [], max(1, minimum)
+def token_buckets(budget: int, rows: int = 1, growth: int = 8) -> list[int]:
+    """Token-count buckets (one compiled program each): 1 (a lone decode row), the row count
+    rounded up to a power of two (every row decoding), that times powers of ``growth`` (steps
+    with prefill chunks), then the budget itself as the largest (a step is never padded past
+    ``max_num_batched_tokens``). 4 rows, budget 256: 1, 4, 32, 256."""
+    if growth < 2:
+        raise ValueError(f"bucket growth must be >= 2, got {growth}")
+    out, b = [1], 1 << max(0, int(rows) - 1).bit_length()
+    if b == 1:
+        b = growth
     while b < budget:
         out.append(b)
-        b *= factor
-    out.append(budget)
+        b *= growth
+    if out[-1] != budget:
+        out.append(budget)
     return out
 
 

@@ -288,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-num-seqs", type=int, default=4, help="rows per step (concurrent running requests)")
     sv.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget per step")
     sv.add_argument("--chunk-size", type=int, default=64, help="longest prefill chunk per row")
+    sv.add_argument("--bucket-growth", type=int, default=8,
+                    help="token buckets (one compiled program each): 1, the row count, that times powers "
+                         "of this, the budget (default 8: 1, 4, 32, 256 at the defaults)")
     sv.add_argument("--page-size", type=int, default=16)
     sv.add_argument("--max-model-len", type=int, default=512)
     sv.add_argument("--kv-memory-gb", type=float, default=None, help="KV budget (KDA slots first, then pages)")

@@ -217,3 +217,19 @@ def test_step_updates_big_buffers_in_place(model):
         pattern = f"f32[{','.join(map(str, shape))}]" + "{"
         copies = [ln.strip()[:160] for lines in loop.values() for ln in lines if pattern in ln and " copy(" in ln]
         assert not copies, f"{what} {shape} copied in the layer loop: {copies[:2]}"
+
+
+def test_token_buckets_ladder():
+    """1, the rows rounded up to a power of two, that times powers of the growth, the budget."""
+    from k3serve.model.step import token_buckets
+
+    assert token_buckets(256, 4) == [1, 4, 32, 256]
+    assert token_buckets(256, 8) == [1, 8, 64, 256]
+    assert token_buckets(256, 6) == [1, 8, 64, 256]
+    assert token_buckets(256, 1) == [1, 8, 64, 256]
+    assert token_buckets(256, 4, growth=4) == [1, 4, 16, 64, 256]
+    assert token_buckets(24, 2) == [1, 2, 16, 24]
+    assert token_buckets(4, 4) == [1, 4]
+    assert token_buckets(1, 1) == [1]
+    with pytest.raises(ValueError):
+        token_buckets(256, 4, growth=1)

@@ -115,6 +115,7 @@ def _start_engine(args, path, metrics):
         dict(num_pages=args.num_pages) if args.num_pages else {})
     eng = Engine(m, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  chunk_size=args.chunk_size, page_size=args.page_size, max_model_len=args.max_model_len,
+                 bucket_growth=args.bucket_growth,
                  detokenizer=detok, async_scheduling=not args.sync, recipe=args.recipe,
                  **prefix_kwargs(args), **kv)
     loop = EngineThread(eng, on_output=metrics.observe_output)

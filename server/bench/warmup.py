@@ -32,6 +32,7 @@ m = load_pretrained(args.model, dtype=args.dtype)
 t1 = time.perf_counter()
 eng = Engine(m, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
              chunk_size=args.chunk_size, page_size=args.page_size, max_model_len=args.max_model_len,
+             bucket_growth=args.bucket_growth,
              async_scheduling=not args.sync, **prefix_kwargs(args))
 from k3serve.model.layer_plan import plan_layers
 plan = plan_layers(m.config)

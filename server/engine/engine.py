@@ -55,7 +55,7 @@ class Engine:
                  enable_prefix_caching: bool = True, prefix_unit: int | None = None, prefix_interval: int = 0,
                  prefix_second_hit: bool = True, prefix_output_end: bool = True,
                  prefix_snapshots: int | None = None, prefix_cache_bytes: int | None = None,
-                 prefix_host_bytes: int = 1 << 30):
+                 prefix_host_bytes: int = 1 << 30, bucket_growth: int = 8):
         cfg = model.config
         if compilation_cache_dir:  # process-global; entry points normally set it (compile_cache.py)
             from ...compile_cache import enable_compile_cache
@@ -116,7 +116,7 @@ class Engine:
                                    max_model_len=max_model_len, prefix_cache=self.prefix_cache)
         self.runner = Runner(model, self.cache_mgr, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                             max_logprobs=max_logprobs, par=self.par)
+                             max_logprobs=max_logprobs, par=self.par, bucket_growth=bucket_growth)
         self.requests: dict[str, Request] = {}
         self.broken: BaseException | None = None  # a step failed: the state is half-updated, no more steps
         self._owed: dict[str, Request] = {}  # finished outside a step (abort): final output owed

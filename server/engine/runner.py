@@ -1,14 +1,17 @@
-"""The runner: turn a step plan into one jitted call (model step + sampling).
+"""The runner: turn a step plan into two device calls, the model step and sampling.
 
 A step is one call of the flattened model step (``model.step``): the plan's rows' tokens laid
 end to end — decode rows first, then prefill chunks, no per-row padding — padded to a token
-bucket ``T`` (1, 4, 16, 64, … and ``max_num_batched_tokens`` exactly as the largest). Row
+bucket ``T`` (``model.step.token_buckets``: 1, the row count, that times powers of
+``bucket_growth``, and ``max_num_batched_tokens`` exactly as the largest). Row
 arrays have ``min(T, max_num_seqs)`` rows per attention-DP group (a row has at least one
 token, so a small step carries no idle rows — on CPU each row slot costs state traffic in
 every KDA layer) and the page table is always ``ceil(max_model_len / page_size)`` wide (the
 attention's cost follows the real context, not the table width), so the token bucket is the
-only shape that varies: warm-up compiles one program per bucket and nothing after. Padding tokens belong to no row; rows without tokens
-write no KDA state. The cache is donated to each call.
+only shape of the step program that varies. Its logits stay on the device and go to the
+sampling program, which depends on the row count only: warm-up compiles one step program per
+bucket and one sampling program per row count, and nothing after. Padding tokens belong to
+no row; rows without tokens write no KDA state. The cache is donated to each step call.
 
 One host->device transfer per call: a step's int32 metadata (tokens, positions, rows, page
 table, sampler settings; float settings bit-cast) is packed into one flat ``i32`` array
@@ -17,15 +20,16 @@ table, sampler settings; float settings bit-cast) is packed into one flat ``i32`
 Penalties and suppression read the *token table* (``sampler.token_table_row``): one device
 row per running request that uses them, built on the host when the request (re)starts
 running — after a preemption it is rebuilt from the request's tokens — and updated by the
-step itself with each sampled token, so nothing that grows with the sequence crosses to the
-device per step. The table is donated to each call like the cache.
+sampling program with each sampled token, so nothing that grows with the sequence crosses to
+the device per step. The table is donated to each sampling call.
 
 Attention DP (a recipe with ``dp > 1``): group g's tokens fill block g of the token axis and
 its rows block g of the row axis (``model.step``), because the step splits both over the
 mesh's ``"dp"`` axis and each group's rows may name only that group's slots and pages. ``par``
 (the recipe's ``sharding.parallel.StepParallel``) goes into the model call.
 
-``num_compiles`` counts traces of the step function (a trace is what triggers a compile).
+``num_compiles`` counts traces of the step and sampling functions (a trace is what triggers a
+compile).
 
 ``launch`` only dispatches: it returns an :class:`InFlight` whose results stay on the device
 until ``InFlight.result()`` fetches them, so the engine can plan and launch step N+1 before
@@ -125,7 +129,7 @@ class InFlight:
 
 class Runner:
     def __init__(self, model, cache_mgr, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 max_logprobs: int = 20, par=None, min_token_bucket: int = 1):
+                 max_logprobs: int = 20, par=None, bucket_growth: int = 8):
         self.model = model
         self.cache_mgr = cache_mgr
         self.page_size = cache_mgr.capacity_plan.page_size
@@ -134,12 +138,13 @@ class Runner:
         self.group_rows = cdiv(max_num_seqs, dp)  # rows per DP group
         self.R = R = dp * self.group_rows  # the most rows a step has (its sampled tokens are kept at this size)
         # tokens per DP group: a group may carry the whole budget
-        self.token_buckets = token_buckets(max_num_batched_tokens, min(min_token_bucket, max_num_batched_tokens))
+        self.token_buckets = token_buckets(max_num_batched_tokens, self.group_rows, bucket_growth)
         self.page_width = cdiv(max_model_len, self.page_size)
         self.num_slots = cache_mgr.capacity_plan.num_slots
         self.buckets_used: set[int] = set()  # token buckets launched
         self.max_logprobs = max_logprobs
         self._compiled: dict = {}  # token bucket -> AOT-compiled step (warm-up)
+        self._compiled_sample: dict = {}  # row count -> AOT-compiled sampling (warm-up)
         self.num_compiles = 0
         self.launch_s = 0.0  # host time building inputs and dispatching
         self.wait_s = 0.0  # host time blocked waiting for step results
@@ -162,12 +167,11 @@ class Runner:
         self._fns: dict = {}  # token bucket -> jitted step
         graphdef = model.graphdef
 
-        def fn(params, cache, table, meta, prev, *, lay: _Layout):
+        def fn(params, cache, meta, prev, *, lay: _Layout):
             self.num_compiles += 1  # Python side effect: runs only while tracing
             m = lay.split(meta)
             rows = m["rows"]
             col = {name: rows[:, k] for k, name in enumerate(_COLS)}
-            fl = jax.lax.bitcast_convert_type(rows[:, len(_COLS):], jnp.float32)
             ids, pos, tok_row = m["tok"][0], m["tok"][1], m["tok"][2]
             # decode rows whose input is the previous step's sample (still on the device)
             has_prev = col["from_prev"] >= 0
@@ -181,19 +185,29 @@ class Runner:
             logits, cache = nnx.merge(graphdef, params).step(fb, cache, par=par)
             if par is not None:  # the cache goes out in the layout it came in (warm-up's AOT programs fix it)
                 cache = par.pin_cache(cache)
+            return logits, cache, rows
+
+        def sample_fn(logits, rows, table):
+            """Sampling for a step's rows (``[R, _NUM_COLS]`` of its metadata): a program of its
+            own, keyed by the row count only, so the token buckets do not each compile it."""
+            self.num_compiles += 1
+            col = {name: rows[:, k] for k, name in enumerate(_COLS)}
+            fl = jax.lax.bitcast_convert_type(rows[:, len(_COLS):], jnp.float32)
             sinp = SamplerInputs(temperature=fl[:, 0], top_k=col["top_k"], top_p=fl[:, 1], min_p=fl[:, 2],
                                  repetition_penalty=fl[:, 3], frequency_penalty=fl[:, 4], presence_penalty=fl[:, 5],
                                  seed=jax.lax.bitcast_convert_type(col["seed"], jnp.uint32), step=col["step"],
                                  suppress=(col["flags"] & _SUPPRESS) != 0, table_rows=col["trow"], table=table)
             out = sample(logits, sinp, max_logprobs)
             table = record_tokens(table, col["trow"], out.tokens, (col["flags"] & _RECORD) != 0)
-            tokens = out.tokens if lay.R == R else jnp.zeros(R, jnp.int32).at[:lay.R].set(out.tokens)
+            n = rows.shape[0]
+            tokens = out.tokens if n == R else jnp.zeros(R, jnp.int32).at[:n].set(out.tokens)
             if keep:  # replicated: the table, and the tokens fed back as the next call's ``prev``
                 table = jax.lax.with_sharding_constraint(table, keep["out_shardings"])
                 tokens = jax.lax.with_sharding_constraint(tokens, keep["out_shardings"])
-            return out, tokens, cache, table
+            return out, tokens, table
 
         self._step_fn = fn
+        self._sample_jit = jax.jit(sample_fn, donate_argnums=(2,))
 
     def layout(self, T: int) -> _Layout:
         Rg = self.rows_for(T)
@@ -302,8 +316,9 @@ class Runner:
         col["top_k"][index], col["seed"][index] = k_, s_.view(np.int32)
         fn = self._compiled.get(Tg) or self._jit(Tg)
         prev_tokens = prev.tokens if prev is not None else self._zero_prev
-        out, tokens, self.cache_mgr.device_cache, self.table = fn(
-            self.model.params, self.cache_mgr.device_cache, self.table, jax.device_put(meta), prev_tokens)
+        logits, self.cache_mgr.device_cache, rows_dev = fn(
+            self.model.params, self.cache_mgr.device_cache, jax.device_put(meta), prev_tokens)
+        out, tokens, self.table = self._sampler(lay.R)(logits, rows_dev, self.table)
         self.num_steps += 1
         self.launch_s += time.perf_counter() - t
         return InFlight(self.num_steps, list(rows), out, tokens, index, self)
@@ -311,8 +326,12 @@ class Runner:
     def _jit(self, T: int):
         f = self._fns.get(T)
         if f is None:
-            f = self._fns[T] = jax.jit(functools.partial(self._step_fn, lay=self.layout(T)), donate_argnums=(1, 2))
+            f = self._fns[T] = jax.jit(functools.partial(self._step_fn, lay=self.layout(T)), donate_argnums=(1,))
         return f
+
+    def _sampler(self, R: int):
+        """The sampling program for steps of ``R`` rows (compiled at warm-up)."""
+        return self._compiled_sample.get(R) or self._sample_jit
 
     def _suppress_ids(self, p) -> list[int]:
         """Ids a request may not sample before ``min_new_tokens``: its stop ids and eos."""
@@ -361,8 +380,14 @@ class Runner:
             assert not bad.size, f"{rid}: token table row {i} differs at ids {bad[:8].tolist()}"
 
     def shape_buckets(self) -> list[int]:
-        """Every token bucket a step can take (one program each)."""
+        """Every token bucket a step can take (one step program each)."""
         return list(self.token_buckets)
+
+    def programs_for(self, buckets) -> int:
+        """Programs that steps in ``buckets`` compile: a step program per bucket and a sampling
+        program per distinct row count."""
+        buckets = list(buckets)
+        return len(buckets) + len({self.layout(T).R for T in buckets})
 
     def _padding_args(self, T: int) -> tuple:
         lay = self.layout(T)
@@ -373,15 +398,16 @@ class Runner:
         rows[:, _COLS.index("logits_idx")] = rows[:, _COLS.index("from_prev")] = -1
         rows[:, _COLS.index("write_slot")] = self.num_slots
         m["snap"][0], m["snap"][2] = -1, self.num_slots
-        return self.table, jnp.asarray(meta), self._zero_prev
+        return jnp.asarray(meta), self._zero_prev
 
     def warmup(self, workers: int | None = None) -> int:
-        """Compile every token bucket ahead of time; returns compiles. Tracing and lowering
-        (Python, under the GIL) run on this thread while XLA compiles the previous bucket on
-        ``workers`` threads (XLA releases the GIL). XLA's CPU compiler already keeps about 1.7
-        cores busy with one program, so the default is one compile thread below 8 host cores.
+        """Compile every token bucket's step and each row count's sampling ahead of time;
+        returns compiles. Tracing and lowering (Python, under the GIL) run on this thread while
+        XLA compiles the previous program on ``workers`` threads (XLA releases the GIL). XLA's
+        CPU compiler already keeps about 1.7 cores busy with one program, so the default is one
+        compile thread below 8 host cores.
 
-        The compiled executables are kept and called directly by ``launch``; a bucket that
+        The compiled executables are kept and called directly by ``launch``; a program that
         was not compiled here would fall back to ``jax.jit`` (and count as a compile)."""
         import concurrent.futures as cf
         import os
@@ -391,16 +417,27 @@ class Runner:
         cpus = os.cpu_count() or 1
         workers = workers or (1 if cpus < 8 else min(8, cpus // 4))
         with cf.ThreadPoolExecutor(workers, thread_name_prefix="k3-compile") as ex:
-            futures = {}
+            futures, sfutures = {}, {}
             for T in shapes:
                 lowered = self._jit(T).lower(self.model.params, self.cache_mgr.device_cache, *self._padding_args(T))
                 futures[T] = ex.submit(lowered.compile)
+                R = self.layout(T).R
+                if R not in self._compiled_sample and R not in sfutures:
+                    # lowered against the compiled step's outputs (logits, rows): their shapes
+                    # and the shardings XLA chose; the step's compile was submitted first
+                    def sampler(step=futures[T]):
+                        logits, _, rows = step.result().out_info
+                        return self._sample_jit.lower(logits, rows, self.table).compile()
+
+                    sfutures[R] = ex.submit(sampler)
             for T, fut in futures.items():
                 self._compiled[T] = fut.result()
-        # run each program once (first-run allocations), with the cache flowing through
+            for R, fut in sfutures.items():
+                self._compiled_sample[R] = fut.result()
+        # run each program once (first-run allocations), with the cache and table flowing through
         for T in shapes:
-            args = self._padding_args(T)
-            out, _, self.cache_mgr.device_cache, self.table = self._compiled[T](
-                self.model.params, self.cache_mgr.device_cache, *args)
+            logits, self.cache_mgr.device_cache, rows = self._compiled[T](
+                self.model.params, self.cache_mgr.device_cache, *self._padding_args(T))
+            out, _, self.table = self._sampler(self.layout(T).R)(logits, rows, self.table)
             jax.block_until_ready(out)
         return self.num_compiles - before
