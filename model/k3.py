@@ -12,8 +12,9 @@ stack runs as one ``lax.scan`` over the layers (``model.layer_plan``).
 Parameters are stacked by layer kind: ``blocks[k]`` holds every layer of kind ``k`` (KDA +
 dense MLP, KDA + MoE, MLA + MoE), ``[layers of the kind, ...]``. ``layer(l)`` finds any
 layer; checkpoint names stay ``model.layers.{l}.*`` (``weights.py``). A layer runs in two
-halves (``_layer_in``, ``_layer_out``) with the KDA-row, MLA-pool and AttnRes updates between
-them, outside the per-kind ``lax.switch`` (docs/model.md, "The layer scan").
+halves (``_layer_in``, switched per attention type; ``_layer_out``, switched per kind) with the
+KDA-row, MLA-pool and AttnRes updates between them, outside the switches (docs/model.md, "The
+layer scan").
 
 ``step`` is a pure function of the flattened step (``model.step.FlatBatch``): (batch, cache)
 -> (logits, new cache[, intermediates]); ``__call__`` runs it on a padded ``[B, T]`` batch.
@@ -70,6 +71,10 @@ def _stacked(module: nnx.Module, n: int) -> nnx.Module:
 
 
 _EXPERTS = nnx.PathContains("experts")  # routed experts (not "shared_experts")
+# what the first half of a layer reads (``_layer_in``): the same structure in every kind of an
+# attention type, so kinds that share the type can share one traced attention
+_ATTN_PART = nnx.Any(nnx.PathContains("self_attn"), nnx.PathContains("input_layernorm"),
+                     nnx.PathContains("self_attention_res"))
 
 
 @dataclasses.dataclass
@@ -242,8 +247,13 @@ class KimiLM(nnx.Module):
         # routed experts stay whole stacks indexed by row inside the expert op: a slice of
         # them is a copy of the layer's experts per layer (50 MB on the 105M checkpoint);
         # the other parameters are sliced per layer
-        parts = [nnx.split(blk, nnx.Not(_EXPERTS), _EXPERTS) for blk in self.blocks]
-        layer_of = lambda k, row: nnx.merge(parts[k][0], jax.tree.map(lambda a: a[row], parts[k][1]), parts[k][2])
+        parts = [nnx.split(blk, _ATTN_PART, nnx.Not(_EXPERTS), _EXPERTS) for blk in self.blocks]
+        rows_of = lambda tree, row: jax.tree.map(lambda a: a[row], tree)
+
+        def layer_of(k, row, attn=None):
+            """Kind ``k``'s layer at ``row``; ``attn``: its first-half parameters, already sliced."""
+            g, a, rest, experts = parts[k]
+            return nnx.merge(g, rows_of(a, row) if attn is None else attn, rows_of(rest, row), experts)
         st_keys = ("p", "bank", "count") if cfg.uses_attn_res else ("p",)
         n_kda, n_mla = len(kda_idx), len(mla_idx)
         kv_width, kv_dtype = cache.mla_kv.shape[-1], cache.mla_kv.dtype
@@ -252,10 +262,11 @@ class KimiLM(nnx.Module):
         kda_keys = ("conv", "state", "snap_conv", "snap_state")
         kda_shapes = [carry[n].shape[1:] for n in kda_keys] if n_kda else []
 
-        def half_in(k, st, conv, state, row, aux=None, pad=False):
+        def half_in(k, st, conv, state, row, aux=None, pad=False, attn=None):
             """Static kind ``k``: ``(t, lat, new)``; with ``pad`` every output is present (zeros
-            where the kind has none), as the switch's branches must agree."""
-            layer = layer_of(k, row)
+            where the kind has none), as the switch's branches must agree. ``attn``: the
+            layer's first-half parameters when they come from another kind of the same type."""
+            layer = layer_of(k, row, attn)
             t, lat, new = _layer_in(layer, st, (conv, state), ctx, aux)
             if pad and n_mla and lat is None:
                 lat = jnp.zeros((T, kv_width), kv_dtype)
@@ -263,6 +274,22 @@ class KimiLM(nnx.Module):
                 new = tuple(jnp.zeros(shape, F32) for shape in kda_shapes)
             return t, (None if lat is None else lat.astype(kv_dtype)), (None if new is None else tuple(
                 v.astype(F32) for v in new))
+
+        # the first half runs one branch per attention type: kinds that share a type (K3's
+        # layer 0 and its other KDA layers) pick their row of first-half parameters with a
+        # switch that only slices, and the attention itself is traced once
+        att_types = list(dict.fromkeys(attn for attn, _ in plan.kinds))
+        type_of = np.array([att_types.index(attn) for attn, _ in plan.kinds], np.int32)
+        kinds_of_type = [[k for k in range(len(plan.kinds)) if type_of[k] == ti] for ti in range(len(att_types))]
+        local_of = np.array([kinds_of_type[type_of[k]].index(k) for k in range(len(plan.kinds))], np.int32)
+
+        def half_in_type(ti, k, st, conv, state, row):
+            ks = kinds_of_type[ti]
+            if len(ks) == 1:
+                return half_in(ks[0], st, conv, state, row, pad=True)
+            attn = jax.lax.switch(jnp.asarray(local_of)[k], [functools.partial(
+                lambda kk, r: rows_of(parts[kk][1], r), kk) for kk in ks], row)
+            return half_in(ks[0], st, conv, state, row, pad=True, attn=attn)
 
         def half_out(k, t, st, kv, row, mla_j, aux=None):
             return _layer_out(layer_of(k, row), t, st, kv, mla_j, ctx, aux, group=row)
@@ -280,8 +307,9 @@ class KimiLM(nnx.Module):
             if isinstance(k, int):
                 t, lat, new = half_in(k, st, conv, state, row, aux)
             else:
-                t, lat, new = jax.lax.switch(k, [functools.partial(half_in, i, pad=True) for i in range(len(plan.kinds))],
-                                             st, conv, state, row)
+                t, lat, new = jax.lax.switch(jnp.asarray(type_of)[k], [functools.partial(half_in_type, ti)
+                                                                       for ti in range(len(att_types))],
+                                             k, st, conv, state, row)
             carry = dict(carry)
             if n_kda and (is_kda is not False):  # a non-KDA layer's zeros go to a dropped index
                 at = kda_j if is_kda is True else jnp.where(is_kda, kda_j, n_kda)
