@@ -289,6 +289,8 @@ class KimiLM(nnx.Module):
                 return half_in(ks[0], st, conv, state, row, pad=True)
             attn = jax.lax.switch(jnp.asarray(local_of)[k], [functools.partial(
                 lambda kk, r: rows_of(parts[kk][1], r), kk) for kk in ks], row)
+            # the module is kind ks[0]'s; the first half reads only ``attn`` of it (the rest,
+            # sliced at a row of another kind's stack, is dead code and never computed)
             return half_in(ks[0], st, conv, state, row, pad=True, attn=attn)
 
         def half_out(k, t, st, kv, row, mla_j, aux=None):
