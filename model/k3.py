@@ -287,8 +287,8 @@ class KimiLM(nnx.Module):
             ks = kinds_of_type[ti]
             if len(ks) == 1:
                 return half_in(ks[0], st, conv, state, row, pad=True)
-            attn = jax.lax.switch(jnp.asarray(local_of)[k], [functools.partial(
-                lambda kk, r: rows_of(parts[kk][1], r), kk) for kk in ks], row)
+            attn = jax.lax.switch(jnp.asarray(local_of)[k], [functools.partial(rows_of, parts[kk][1]) for kk in ks],
+                                  row)
             # the module is kind ks[0]'s; the first half reads only ``attn`` of it (the rest,
             # sliced at a row of another kind's stack, is dead code and never computed)
             return half_in(ks[0], st, conv, state, row, pad=True, attn=attn)

@@ -60,6 +60,11 @@ _COLS = ("start", "q_len", "read_slot", "write_slot", "fresh", "logits_idx", "fi
 _NUM_COLS = len(_COLS) + 6
 
 
+def _columns(rows) -> dict:
+    """``{name: column}`` views of a ``[R, _NUM_COLS]`` row block (numpy or traced)."""
+    return {name: rows[:, k] for k, name in enumerate(_COLS)}
+
+
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """Where each part of a step's packed metadata sits in the flat ``i32`` array (static per
@@ -171,7 +176,7 @@ class Runner:
             self.num_compiles += 1  # Python side effect: runs only while tracing
             m = lay.split(meta)
             rows = m["rows"]
-            col = {name: rows[:, k] for k, name in enumerate(_COLS)}
+            col = _columns(rows)
             ids, pos, tok_row = m["tok"][0], m["tok"][1], m["tok"][2]
             # decode rows whose input is the previous step's sample (still on the device)
             has_prev = col["from_prev"] >= 0
@@ -191,7 +196,7 @@ class Runner:
             """Sampling for a step's rows (``[R, _NUM_COLS]`` of its metadata): a program of its
             own, keyed by the row count only, so the token buckets do not each compile it."""
             self.num_compiles += 1
-            col = {name: rows[:, k] for k, name in enumerate(_COLS)}
+            col = _columns(rows)
             fl = jax.lax.bitcast_convert_type(rows[:, len(_COLS):], jnp.float32)
             sinp = SamplerInputs(temperature=fl[:, 0], top_k=col["top_k"], top_p=fl[:, 1], min_p=fl[:, 2],
                                  repetition_penalty=fl[:, 3], frequency_penalty=fl[:, 4], presence_penalty=fl[:, 5],
@@ -251,7 +256,7 @@ class Runner:
         meta = np.zeros(lay.size, np.int32)
         m = lay.split(meta)
         tok, rcols, table, cu = m["tok"], m["rows"], m["table"], m["cu"]
-        col = {name: rcols[:, k] for k, name in enumerate(_COLS)}
+        col = _columns(rcols)
         fl = rcols[:, len(_COLS):].view(np.float32)
         Rg = lay.R // self.dp
         tok[2] = -1  # padding tokens belong to no row
