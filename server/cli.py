@@ -243,6 +243,21 @@ def add_prefix_flags(p) -> None:
                    help="host-DRAM tier for evicted prefixes (pages + state), 0 = off (default 1)")
 
 
+def add_cluster_flags(p) -> None:
+    g = p.add_argument_group("multi-host (one process per host; docs/multihost.md)")
+    g.add_argument("--coordinator", default=None,
+                   help="HOST:PORT of JAX's coordination service (hosted by process 0, the leader)")
+    g.add_argument("--num-processes", type=int, default=None, help="processes in the deployment")
+    g.add_argument("--process-id", type=int, default=None, help="this process (0: the leader, serves gRPC)")
+    g.add_argument("--distributed", choices=["auto"], default=None,
+                   help="auto: let jax.distributed.initialize() find the slice (TPU VMs)")
+    g.add_argument("--control-host", default=None,
+                   help="address the leader's control channel binds and followers connect to "
+                        "(default: the coordinator's host)")
+    g.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                   help="seconds of silence after which the leader counts a follower as lost")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3serve", description="Kimi K3 inference server (JAX)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -307,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
     sv.add_argument("--served-model-name", default=None)
     add_prefix_flags(sv)
+    add_cluster_flags(sv)
     sv.set_defaults(func=cmd_serve)
 
     pl = sub.add_parser("plan", help="memory per device and max concurrency for parallelism recipes")

@@ -39,6 +39,13 @@ class ShuttingDown(RequestError):
     code = "UNAVAILABLE"
 
 
+class EngineLost(RequestError):
+    """The engine cannot go on for a reason outside it (a follower process was lost): gRPC
+    UNAVAILABLE — the request may succeed once the deployment is back."""
+
+    code = "UNAVAILABLE"
+
+
 class EngineFailed(RequestError):
     """The engine failed (a step raised): the request cannot complete. gRPC INTERNAL."""
 
@@ -86,6 +93,8 @@ class EngineThread:
         self.engine = engine
         self.on_output = on_output
         self.on_error: list[Callable[[BaseException], None]] = []  # called once, on the engine thread
+        # step exception -> the error callers get instead of EngineFailed (None: keep EngineFailed)
+        self.explain_failure: Callable[[BaseException], BaseException | None] | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _handles and _closed only; never held across a step
         self._handles: dict[str, RequestHandle] = {}
@@ -183,6 +192,22 @@ class EngineThread:
         self.stop()
         return len(left)
 
+    def fail(self, err: BaseException) -> None:
+        """Fail the engine from outside its thread (multi-host: a follower was lost). Every
+        open handle gets ``err``, new work is refused and the ``on_error`` listeners run. The
+        engine thread may be blocked in a collective that never completes: it is not waited
+        for (the process exits)."""
+        if self.error is not None:
+            return
+        self.error = err
+        self._accepting = False
+        self._close(err)
+        for cb in list(self.on_error):
+            try:
+                cb(err)
+            except Exception:
+                traceback.print_exc()
+
     def _open_handles(self) -> list[RequestHandle]:
         with self._lock:
             return list(self._handles.values())
@@ -193,7 +218,8 @@ class EngineThread:
         self._accepting = False
         self._inbox.put(("stop", None, None))
         if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=timeout)
+            # a thread failed from outside (``fail``) may be stuck in a collective: not waited for long
+            self._thread.join(timeout=timeout if self.error is None else min(timeout, 1.0))
         self._close()
 
     # ------------------------------------------------------------------ the thread
@@ -218,11 +244,14 @@ class EngineThread:
                     self._deliver(out, now)
                 self._publish()
         except BaseException as e:  # the engine broke: fail every caller, refuse new work
+            if self.error is not None:  # already failed from outside (``fail``)
+                return
             self.error = e
             self._accepting = False
             print(f"k3serve: engine step failed: {e!r}", file=sys.stderr, flush=True)
             traceback.print_exc()
-            self._close(EngineFailed(f"the engine failed: {e!r}"))
+            err = self.explain_failure(e) if self.explain_failure is not None else None
+            self._close(err or EngineFailed(f"the engine failed: {e!r}"))
             try:
                 self._publish()
             except Exception:

@@ -273,7 +273,7 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
             "max_total_num_tokens": st["max_tokens_in_kv"], "max_prefill_tokens": eng.scheduler.max_num_batched_tokens,
             "chunked_prefill_size": eng.scheduler.chunk_size, "page_size": eng.capacity_plan.page_size,
             "context_length": eng.max_model_len, "pp_size": 1,
-            **_parallel_sizes(eng.recipe),
+            **_parallel_sizes(eng.recipe), **_deployment(eng),
             "disaggregation_mode": "null", "dtype": str(eng.model.dtype),
             "recipe": str(eng.recipe) if eng.recipe is not None else "single",
             **self.server_args,
@@ -378,6 +378,14 @@ def _parallel_sizes(recipe) -> dict:
         return {"tp_size": 1, "dp_size": 1, "ep_size": 1, "dcp_size": 1}
     return {"tp_size": recipe.attn_tp, "dp_size": recipe.dp, "ep_size": recipe.ep, "moe_tp_size": recipe.tp,
             "dcp_size": recipe.dcp, "sp_size": recipe.sp}
+
+
+def _deployment(eng) -> dict:
+    """Processes (SGLang's ``nnodes``) and the global mesh: its axes and device count."""
+    n = eng.dispatch.num_processes
+    mesh = eng.mesh
+    return {"nnodes": n, "num_processes": n, "num_devices": mesh.size if mesh is not None else 1,
+            "mesh_shape": {k: int(v) for k, v in mesh.shape.items()} if mesh is not None else {}}
 
 
 def _int_or(v, default):

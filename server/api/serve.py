@@ -19,13 +19,25 @@ from .metrics import Metrics
 
 
 def serve(args) -> int:
-    """Serve a checkpoint over gRPC until SIGTERM/SIGINT (then drain and exit 0)."""
+    """Serve a checkpoint over gRPC until SIGTERM/SIGINT (then drain and exit 0). With
+    ``--num-processes N`` (or ``--distributed auto``), join the cluster first: process 0 goes
+    on here as the leader, the others run the follower loop and bind nothing."""
     import signal
     import threading
 
     enable_compile_cache()
-
     path = model_or_demo(args.model)
+    cluster = None
+    if getattr(args, "num_processes", None) or getattr(args, "distributed", None):
+        from .multihost import join
+
+        cluster = join(args)
+        if cluster.num_processes == 1:
+            cluster = None
+        elif not cluster.is_leader:
+            from .multihost import serve_follower
+
+            return serve_follower(args, path, cluster)
     metrics = Metrics()
     servicer = Servicer(model_dir=path, served_model_name=args.served_model_name or path.name, metrics=metrics)
     server = GrpcServer(servicer, host=args.host, port=args.port, api_key=args.api_key, tls_cert=args.tls_cert,
@@ -41,10 +53,18 @@ def serve(args) -> int:
     # load + warm up on a worker thread: the main thread stays in Python, so SIGTERM/SIGINT
     # are handled at once even while XLA compiles
     box: dict = {}
+    lost = threading.Event()  # multi-host: a follower was lost
 
     def load():
         try:
-            box["loop"] = _start_engine(args, path, metrics)
+            dispatch = None
+            if cluster is not None:
+                from .multihost import leader_dispatch
+
+                dispatch = leader_dispatch(args, cluster)
+                box["dispatch"] = dispatch
+                dispatch.on_lost.append(lambda why: (lost.set(), stop.set()))
+            box["loop"] = _start_engine(args, path, metrics, dispatch)
         except BaseException as e:  # reported by the main thread
             box["error"] = e
 
@@ -56,20 +76,31 @@ def serve(args) -> int:
         print("k3serve: stopped while loading", flush=True)
         server.server.stop(0)
         metrics.close()
-        os._exit(0)  # the loader thread cannot be interrupted inside XLA
+        os._exit(1 if lost.is_set() else 0)  # the loader thread cannot be interrupted inside XLA
     if "error" in box:
         server.server.stop(0)
         metrics.close()
         print(f"k3serve: failed to load {path}: {box['error']!r}", file=sys.stderr, flush=True)
+        if cluster is not None:
+            os._exit(1)  # the followers see the channel close and exit too
         return 1
     loop = box["loop"]
+    if cluster is not None:
+        from .multihost import on_follower_lost
+
+        on_follower_lost(box["dispatch"], loop)
     if not stop.is_set():
         server.set_ready(loop)
         st = loop.stats()
         print(f"k3serve: SERVING {path.name}: max_num_seqs {args.max_num_seqs}, KV {st['max_tokens_in_kv']} tokens "
               f"({st['max_concurrent_slots']} KDA slots), warm-up {st['warmup_s']:.1f}s, "
               f"{st['num_compiles']} programs", flush=True)
-    return run_until_stopped(server, loop, stop, args.grace_period, metrics)
+    code = run_until_stopped(server, loop, stop, args.grace_period, metrics)
+    if cluster is not None:
+        from .multihost import stop_followers
+
+        return stop_followers(box["dispatch"], code)
+    return code
 
 
 def run_until_stopped(server, loop, stop, grace_s: float, metrics=None) -> int:
@@ -94,7 +125,16 @@ def run_until_stopped(server, loop, stop, grace_s: float, metrics=None) -> int:
     return 0
 
 
-def _start_engine(args, path, metrics):
+def _start_engine(args, path, metrics, dispatch=None):
+    eng = build_engine(args, path, dispatch)
+    loop = EngineThread(eng, on_output=metrics.observe_output)
+    metrics.loop = loop
+    return loop
+
+
+def build_engine(args, path, dispatch=None):
+    """The engine ``k3serve serve``'s flags describe (every process of a deployment builds
+    the same one; ``dispatch``: the leader's, which replays device calls on the followers)."""
     from ...model import load_pretrained
     from ..engine.engine import Engine
     from ..engine.llm import recipe_placement
@@ -117,7 +157,15 @@ def _start_engine(args, path, metrics):
                  chunk_size=args.chunk_size, page_size=args.page_size, max_model_len=args.max_model_len,
                  bucket_growth=args.bucket_growth,
                  detokenizer=detok, async_scheduling=not args.sync, recipe=args.recipe,
-                 **prefix_kwargs(args), **kv)
-    loop = EngineThread(eng, on_output=metrics.observe_output)
-    metrics.loop = loop
-    return loop
+                 dispatch=dispatch, **{**prefix_kwargs(args), **_cluster_overrides(args)}, **kv)
+    return eng
+
+
+def _cluster_overrides(args) -> dict:
+    """Engine arguments a multi-process deployment changes: the host-DRAM prefix tier is per
+    process and not replicated yet, so it is off."""
+    if getattr(args, "num_processes", None) in (None, 1) and not getattr(args, "distributed", None):
+        return {}
+    import jax
+
+    return {"prefix_host_bytes": 0} if jax.process_count() > 1 else {}

@@ -55,8 +55,15 @@ class Engine:
                  enable_prefix_caching: bool = True, prefix_unit: int | None = None, prefix_interval: int = 0,
                  prefix_second_hit: bool = True, prefix_output_end: bool = True,
                  prefix_snapshots: int | None = None, prefix_cache_bytes: int | None = None,
-                 prefix_host_bytes: int = 1 << 30, bucket_growth: int = 8):
+                 prefix_host_bytes: int = 1 << 30, bucket_growth: int = 8, dispatch=None):
+        from .dispatch import LocalDispatch
+
         cfg = model.config
+        # the device calls made while serving, by name (server.cluster: replayed on followers)
+        self.dispatch = dispatch if dispatch is not None else LocalDispatch()
+        if self.dispatch.num_processes > 1 and enable_prefix_caching and prefix_host_bytes:
+            raise ValueError("the host-DRAM prefix tier is not available across processes yet: "
+                             "pass prefix_host_bytes=0 (--prefix-host-gb 0)")
         if compilation_cache_dir:  # process-global; entry points normally set it (compile_cache.py)
             from ...compile_cache import enable_compile_cache
 
@@ -94,7 +101,8 @@ class Engine:
         self.capacity_plan = plan_capacity(cfg, page_size=page_size, dtype=model.dtype, kv_memory_bytes=kv_memory_bytes,
                                   max_num_seqs=max_num_seqs, num_pages=num_pages, dp=dp, dcp=dcp,
                                   snapshot_slots=prefix_snapshots if enable_prefix_caching else 0)
-        self.cache_mgr = CacheManager(cfg, self.capacity_plan, model.dtype, allocate=self.par is None)
+        self.cache_mgr = CacheManager(cfg, self.capacity_plan, model.dtype, allocate=self.par is None,
+                                      dispatch=self.dispatch)
         if self.par is not None:  # allocated straight into its shards
             import jax
 
@@ -116,7 +124,8 @@ class Engine:
                                    max_model_len=max_model_len, prefix_cache=self.prefix_cache)
         self.runner = Runner(model, self.cache_mgr, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                             max_logprobs=max_logprobs, par=self.par, bucket_growth=bucket_growth)
+                             max_logprobs=max_logprobs, par=self.par, bucket_growth=bucket_growth,
+                             dispatch=self.dispatch)
         self.requests: dict[str, Request] = {}
         self.broken: BaseException | None = None  # a step failed: the state is half-updated, no more steps
         self._owed: dict[str, Request] = {}  # finished outside a step (abort): final output owed

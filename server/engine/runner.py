@@ -134,7 +134,9 @@ class InFlight:
 
 class Runner:
     def __init__(self, model, cache_mgr, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 max_logprobs: int = 20, par=None, bucket_growth: int = 8):
+                 max_logprobs: int = 20, par=None, bucket_growth: int = 8, dispatch=None):
+        from .dispatch import LocalDispatch
+
         self.model = model
         self.cache_mgr = cache_mgr
         self.page_size = cache_mgr.capacity_plan.page_size
@@ -154,6 +156,7 @@ class Runner:
         self.launch_s = 0.0  # host time building inputs and dispatching
         self.wait_s = 0.0  # host time blocked waiting for step results
         self.num_steps = 0
+        self._step_tokens: dict[int, jax.Array] = {}  # step number -> its sampled tokens (the last two)
         self._zero_prev = jnp.zeros(R, jnp.int32)
         self.vocab_size = V = model.config.vocab_size
         # token table: row 0 for rows that use none, then one per running request that does
@@ -192,10 +195,7 @@ class Runner:
                 cache = par.pin_cache(cache)
             return logits, cache, rows
 
-        def sample_fn(logits, rows, table):
-            """Sampling for a step's rows (``[R, _NUM_COLS]`` of its metadata): a program of its
-            own, keyed by the row count only, so the token buckets do not each compile it."""
-            self.num_compiles += 1
+        def sample_body(logits, rows, table):
             col = _columns(rows)
             fl = jax.lax.bitcast_convert_type(rows[:, len(_COLS):], jnp.float32)
             sinp = SamplerInputs(temperature=fl[:, 0], top_k=col["top_k"], top_p=fl[:, 1], min_p=fl[:, 2],
@@ -206,13 +206,31 @@ class Runner:
             table = record_tokens(table, col["trow"], out.tokens, (col["flags"] & _RECORD) != 0)
             n = rows.shape[0]
             tokens = out.tokens if n == R else jnp.zeros(R, jnp.int32).at[:n].set(out.tokens)
-            if keep:  # replicated: the table, and the tokens fed back as the next call's ``prev``
-                table = jax.lax.with_sharding_constraint(table, keep["out_shardings"])
-                tokens = jax.lax.with_sharding_constraint(tokens, keep["out_shardings"])
             return out, tokens, table
+
+        def sample_fn(logits, rows, table):
+            """Sampling for a step's rows (``[R, _NUM_COLS]`` of its metadata): a program of its
+            own, keyed by the row count only, so the token buckets do not each compile it.
+
+            On a mesh it runs whole on every device (a replicated ``shard_map``: the logits
+            are gathered once): every output — the token table, the tokens fed back as the
+            next call's ``prev``, the sampled tokens and logprobs — is replicated, so each
+            process reads its own copy, and XLA's partitioner never sees the sampler's
+            top-k (jax 0.10.2 fails a check in its TopkDecomposer on a partitioned top-k
+            under the sampler's optimization barrier)."""
+            self.num_compiles += 1
+            if par is None:
+                return sample_body(logits, rows, table)
+            from jax.sharding import PartitionSpec as P
+
+            return jax.shard_map(sample_body, mesh=par.mesh, in_specs=(P(), P(), P()), out_specs=P(),
+                                 check_vma=False)(logits, rows, table)
 
         self._step_fn = fn
         self._sample_jit = jax.jit(sample_fn, donate_argnums=(2,))
+        self.dispatch = dispatch if dispatch is not None else LocalDispatch()
+        self.dispatch.register("step", self._run_step)
+        self.dispatch.register("table_row", self._write_table_row)
 
     def layout(self, T: int) -> _Layout:
         Rg = self.rows_for(T)
@@ -319,14 +337,33 @@ class Runner:
         f, k_, s_ = row_settings([r.req.params for r in rows], [r.req.seed for r in rows], len(rows))
         fl[index] = f.T
         col["top_k"][index], col["seed"][index] = k_, s_.view(np.int32)
-        fn = self._compiled.get(Tg) or self._jit(Tg)
-        prev_tokens = prev.tokens if prev is not None else self._zero_prev
+        step, out, tokens = self.dispatch("step", Tg, meta, prev.step if prev is not None else -1)
+        self.launch_s += time.perf_counter() - t
+        return InFlight(step, list(rows), out, tokens, index, self)
+
+    def _run_step(self, T: int, meta: np.ndarray, prev_step: int):
+        """Launch the step program of bucket ``T`` on packed metadata ``meta`` and its sampling
+        (the dispatched operation "step"); ``prev_step``: the step whose sampled tokens feed
+        this one's ``from_prev`` rows (-1: none). Returns (step number, outputs, tokens)."""
+        self.buckets_used.add(T)
+        if prev_step < 0:
+            prev_tokens = self._zero_prev
+        elif prev_step in self._step_tokens:
+            prev_tokens = self._step_tokens[prev_step]
+        else:
+            raise RuntimeError(f"step {prev_step}'s tokens are gone (only {sorted(self._step_tokens)} are kept)")
+        fn = self._compiled.get(T) or self._jit(T)
         logits, self.cache_mgr.device_cache, rows_dev = fn(
             self.model.params, self.cache_mgr.device_cache, jax.device_put(meta), prev_tokens)
-        out, tokens, self.table = self._sampler(lay.R)(logits, rows_dev, self.table)
+        out, tokens, self.table = self._sampler(self.layout(T).R)(logits, rows_dev, self.table)
         self.num_steps += 1
-        self.launch_s += time.perf_counter() - t
-        return InFlight(self.num_steps, list(rows), out, tokens, index, self)
+        self._step_tokens[self.num_steps] = tokens
+        self._step_tokens.pop(self.num_steps - 2, None)
+        return self.num_steps, out, tokens
+
+    def _write_table_row(self, i: int, row: np.ndarray) -> None:
+        """Token table row ``i`` := ``row`` (the dispatched operation "table_row")."""
+        self.table = self._set_row(self.table, np.int32(i), row)
 
     def _jit(self, T: int):
         f = self._fns.get(T)
@@ -356,7 +393,7 @@ class Runner:
             raise RuntimeError("token table full (more running requests than max_num_seqs)")
         i = self._table_free.pop()
         row = token_table_row(req.prompt, req.output, self._suppress_ids(req.params), self.vocab_size)
-        self.table = self._set_row(self.table, np.int32(i), row)
+        self.dispatch("table_row", i, row)
         self._table_row[req.rid] = i
         self.table_inits += 1
         return i

@@ -329,8 +329,11 @@ def _keep_filtered(x: jax.Array, inp: SamplerInputs, candidates: int | None = No
     key = _canonical(x)
     # descending, equal values by id. The barrier keeps XLA:CPU's TopK kernel: slicing its
     # outputs unevenly (cand[:, :1], cand_ids[:, :1]) made XLA (jax 0.10.2) fall back to a
-    # full sort of the row (measured: 3.8 ms -> 350 ms at B=8, V=163840)
-    cand, cand_ids = jax.lax.optimization_barrier(jax.lax.top_k(key, C))
+    # full sort of the row (measured: 3.8 ms -> 350 ms at B=8, V=163840). One barrier per
+    # output: a barrier over the pair let XLA fold it onto the TopK tuple itself, which its
+    # TopkDecomposer then fails a check on (jax 0.10.2, on a mesh of 8 CPU devices)
+    cand, cand_ids = jax.lax.top_k(key, C)
+    cand, cand_ids = jax.lax.optimization_barrier(cand), jax.lax.optimization_barrier(cand_ids)
     top = _top_finite(cand[:, :1])
     iota = jnp.arange(V, dtype=jnp.int32)[None, :]
     plain = ((key - top) >= log_min_p) | (iota == cand_ids[:, :1])  # rows without top-k/top-p

@@ -51,7 +51,9 @@ class CacheManager:
     (scheduler tests, planning) and leaves ``device_cache`` as None.
     """
 
-    def __init__(self, cfg, plan: CapacityPlan, dtype, *, allocate: bool = True):
+    def __init__(self, cfg, plan: CapacityPlan, dtype, *, allocate: bool = True, dispatch=None):
+        from ..dispatch import LocalDispatch
+
         dtype = jnp.dtype(dtype)
         expect = cache_bytes(cfg, plan.num_slots, plan.num_pages, plan.page_size, dtype)
         if expect != plan.total_bytes:
@@ -69,6 +71,9 @@ class CacheManager:
         self.num_copies = 0
         self.device_cache = (allocate_cache(cfg, plan.num_slots, plan.num_pages, plan.page_size, dtype)
                       if allocate else None)
+        self.dispatch = dispatch if dispatch is not None else LocalDispatch()
+        self.dispatch.register("cache_copy", self._run_copy)
+        self.dispatch.register("cache_load", self._run_load)
 
     # ------------------------------------------------------------------ per request
     def admit(self, rid: Hashable, group: int | None = None, rank0: int | None = None) -> bool:
@@ -136,16 +141,28 @@ class CacheManager:
             self._page_copies.clear()
             self._slot_copies.clear()
             return n
-        if self._page_copies:
-            src, dst = zip(*self._page_copies)
-            self.device_cache = self._program("pages")(self.device_cache, *self._pad(src, dst))
-            self._page_copies.clear()
-        if self._slot_copies:
-            src, dst = zip(*self._slot_copies)
-            self.device_cache = self._program("slots")(self.device_cache, *self._pad(src, dst))
-            self._slot_copies.clear()
+        for name, copies in (("pages", self._page_copies), ("slots", self._slot_copies)):
+            if copies:
+                src, dst = zip(*copies)
+                self.dispatch("cache_copy", name, np.asarray(pad_pow2(src), np.int32),
+                              np.asarray(pad_pow2(dst), np.int32))
+                copies.clear()
         self.num_copies += n
         return n
+
+    def _run_copy(self, name: str, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy pages or slots (``name``: "pages", "slots") ``src`` onto ``dst``, index arrays
+        padded to a power of two with repeats of the first copy (identical writes, defined)
+        — the dispatched operation "cache_copy"."""
+        if name not in ("pages", "slots"):
+            raise ValueError(f"no cache copy program {name!r}")
+        self.device_cache = self._program(name)(self.device_cache, jnp.asarray(src), jnp.asarray(dst))
+
+    def _run_load(self, idx: np.ndarray, rows: np.ndarray, slot: int, state: np.ndarray, conv: np.ndarray) -> None:
+        """Write page rows ``rows`` to pages ``idx`` and a KDA state to ``slot`` (the
+        dispatched operation "cache_load")."""
+        self.device_cache = self._program("load")(self.device_cache, jnp.asarray(idx, jnp.int32), jnp.asarray(rows),
+                                                  jnp.int32(slot), jnp.asarray(state), jnp.asarray(conv))
 
     def read_prefix(self, slot: int, pages: list[int]):
         """(state, conv, rows) device arrays of snapshot ``slot`` and of ``pages`` (rows
@@ -168,13 +185,7 @@ class CacheManager:
         idx = pad_pow2(pages)  # the page count padded to a power of two (repeats of page 0: the same write)
         pad = pad[:, pad_pow2(list(range(P)))]
         self.flush_copies()
-        self.device_cache = self._program("load")(self.device_cache, jnp.asarray(idx, jnp.int32), jnp.asarray(pad),
-                                           jnp.int32(req.slot), jnp.asarray(state), jnp.asarray(conv))
-
-    @staticmethod
-    def _pad(src, dst):
-        """Pad to a power of two with repeats of the first copy (identical writes, defined)."""
-        return jnp.asarray(pad_pow2(src), jnp.int32), jnp.asarray(pad_pow2(dst), jnp.int32)
+        self.dispatch("cache_load", np.asarray(idx, np.int32), pad, req.slot, np.asarray(state), np.asarray(conv))
 
     def _program(self, name: str):
         """The jitted cache program ``name`` (``PROGRAMS``), built once. Programs that return

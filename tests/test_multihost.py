@@ -1,0 +1,184 @@
+"""Multi-host serving on loopback: `k3serve serve` as two processes × 4 virtual CPU devices
+(8 global devices, gloo collectives), the leader serving gRPC, the follower replaying its
+plans. For both recipes of the issue the greedy tokens through gRPC equal one device's, with
+prefix caching on (a second turn hits the cache); GetServerInfo reports the deployment;
+SIGTERM to the leader stops both with exit 0; SIGKILL of the follower during a decode gives
+the client UNAVAILABLE and the leader exits non-zero within 30 s, leaving no process.
+
+Each cluster loads and compiles its programs in two processes on this machine's cores
+(about a minute), so the module starts two clusters in all.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from _util import free_port
+
+pytestmark = pytest.mark.slow
+
+SERVE = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-len", "64", "--page-size", "8",
+         "--metrics-port", "-1", "--prefix-unit", "8", "--heartbeat-timeout", "10"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A 4-layer K3 with 8 KDA and 8 MLA heads (divisible by an 8-device attention group)."""
+    from k3serve.checkpoints.synthetic import generate_checkpoint, k3_config
+
+    out = tmp_path_factory.mktemp("mh") / "k3-h8"
+    cfg = k3_config(vocab_size=512, hidden_size=64, num_hidden_layers=4, full_attn_layers=[4], kda_num_heads=8,
+                    kda_head_dim=16, mla_heads=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                    qk_rope_head_dim=16, v_head_dim=16, num_experts=8, num_experts_per_token=2,
+                    num_shared_experts=1, moe_intermediate_size=32, routed_expert_hidden_size=32,
+                    intermediate_size=128, attn_res_block_size=2)
+    generate_checkpoint(out, cfg, seed=3)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    from k3serve.model import load_pretrained
+
+    return load_pretrained(ckpt, dtype="float32")
+
+
+class Cluster:
+    def __init__(self, ckpt, recipe: str, tmp):
+        self.port, coord = free_port(), free_port()
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", K3SERVE_CACHE=str(tmp))
+        self.logs = [open(tmp / f"p{i}.log", "w+") for i in range(2)]
+        self.procs = [subprocess.Popen(
+            [sys.executable, "-m", "k3serve.server.cli", "serve", "--model", str(ckpt), "--recipe", recipe,
+             "--coordinator", f"127.0.0.1:{coord}", "--num-processes", "2", "--process-id", str(i),
+             "--port", str(self.port if i == 0 else free_port()), *SERVE],
+            stdout=self.logs[i], stderr=subprocess.STDOUT, env=env) for i in (1, 0)][::-1]
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = pb_grpc.SglangSchedulerStub(self.channel)
+
+    def log(self, i: int) -> str:
+        self.logs[i].flush()
+        self.logs[i].seek(0)
+        return self.logs[i].read()[-4000:]
+
+    def wait_serving(self, timeout: float = 600) -> None:
+        health = health_pb2_grpc.HealthStub(self.channel)
+        t = time.monotonic() + timeout
+        while time.monotonic() < t:
+            for i, p in enumerate(self.procs):
+                assert p.poll() is None, f"process {i} exited {p.returncode}:\n{self.log(i)}"
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"never SERVING:\n{self.log(0)}\n{self.log(1)}")
+
+    def generate(self, ids, max_new: int, rid: str):
+        req = pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=list(ids)), stream=True,
+                                 sampling_params=pb.SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+        return self.stub.Generate(req, timeout=120)
+
+    def complete(self, ids, max_new: int, rid: str):
+        done = None
+        for r in self.generate(ids, max_new, rid):
+            if r.HasField("complete"):
+                done = r.complete
+        return list(done.output_ids), done.cached_tokens
+
+    def wait_exit(self, timeout: float) -> list:
+        t = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, t - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [p.poll() for p in self.procs]
+
+    def close(self) -> None:
+        self.channel.close()
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        for f in self.logs:
+            f.close()
+
+
+def _check_tokens_and_prefix(c: Cluster, reference) -> None:
+    first = [(i * 7 + 3) % 500 for i in range(11)]
+    got, _ = c.complete(first, 6, "one")
+    assert got == reference.greedy(first, 6)
+    # two turns of one session: the second extends the first's prompt and output
+    turn1 = [(i * 13 + 5) % 500 for i in range(20)]
+    out1, cached1 = c.complete(turn1, 5, "turn-1")
+    assert out1 == reference.greedy(turn1, 5) and cached1 == 0
+    turn2 = turn1 + out1 + [17, 18, 19]
+    out2, cached2 = c.complete(turn2, 5, "turn-2")
+    assert out2 == reference.greedy(turn2, 5)
+    assert cached2 >= 16, f"the second turn should hit the prefix cache (cached {cached2})"
+
+
+def test_dcp8_sp2_tokens_prefix_info_and_sigterm(ckpt, reference, tmp_path):
+    c = Cluster(ckpt, "ep=4,tp=2,dcp=8,sp=2", tmp_path)
+    try:
+        c.wait_serving()
+        _check_tokens_and_prefix(c, reference)
+        info = c.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).server_args
+        assert info["nnodes"] == 2 and info["num_devices"] == 8
+        assert dict(info["mesh_shape"]) == {"dp": 1, "ep": 4, "tp": 2}
+        assert info["dcp_size"] == 8 and info["ep_size"] == 4
+        c.procs[0].send_signal(signal.SIGTERM)
+        assert c.wait_exit(60) == [0, 0], f"{c.log(0)}\n{c.log(1)}"
+        assert "every follower stopped" in c.log(0)
+    finally:
+        c.close()
+
+
+def test_dp2_dcp4_tokens_then_follower_killed(ckpt, reference, tmp_path):
+    c = Cluster(ckpt, "ep=4,tp=2,dp=2,dcp=4", tmp_path)
+    try:
+        c.wait_serving()
+        _check_tokens_and_prefix(c, reference)
+        # a long decode; the follower is killed once tokens flow
+        errors, chunks = [], []
+        started = threading.Event()
+
+        def stream():
+            try:
+                for r in c.generate([(i * 3 + 1) % 500 for i in range(9)], 50, "long"):
+                    if r.HasField("chunk"):
+                        chunks.append(r.chunk)
+                        started.set()
+            except grpc.RpcError as e:
+                errors.append(e)
+            finally:
+                started.set()
+
+        th = threading.Thread(target=stream, daemon=True)
+        th.start()
+        assert started.wait(60) and chunks, f"no tokens streamed:\n{c.log(0)}"
+        t0 = time.monotonic()
+        c.procs[1].kill()
+        th.join(30)
+        assert not th.is_alive()
+        assert errors and errors[0].code() == grpc.StatusCode.UNAVAILABLE, (errors, c.log(0))
+        assert "lost a process" in errors[0].details()
+        codes = c.wait_exit(30)
+        assert codes[0] not in (None, 0), f"leader: {codes[0]}\n{c.log(0)}"
+        assert time.monotonic() - t0 < 30
+        assert "process 1 of 2 was lost" in c.log(0)
+    finally:
+        c.close()
