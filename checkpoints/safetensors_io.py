@@ -69,6 +69,70 @@ def safetensors_dtype(dtype) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+_ST_TO_NP = {v: k for k, v in _NP_TO_ST.items()}
+
+
+class LazyTensor:
+    """One tensor of a checkpoint, read only where indexed: ``t[index]`` with a slice of rows
+    (and whole rows) reads just those rows' bytes, with ``os.pread`` — no memory map, so
+    nothing of the file stays resident in the process. An index that cuts across rows reads
+    the whole tensor once and keeps it for the next such index.
+    ``np.asarray(t)`` reads it whole. What a multi-process load uses so that each process
+    reads only the slices its devices hold (``model.weights``)."""
+
+    def __init__(self, path: str, offset: int, shape: tuple[int, ...], dtype: np.dtype, owner=None):
+        self.path, self.offset, self.shape, self.dtype = path, offset, tuple(shape), np.dtype(dtype)
+        self.ndim = len(self.shape)
+        self.owner = owner  # the Checkpoint, which counts the bytes its tensors read
+        self._whole: np.ndarray | None = None
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def _read(self, first: int, count: int) -> np.ndarray:
+        """Elements ``[first, first + count)`` of the flattened tensor."""
+        n = count * self.dtype.itemsize
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            buf = bytearray(n)
+            view, got = memoryview(buf), 0
+            while got < n:
+                k = os.preadv(fd, [view[got:]], self.offset + first * self.dtype.itemsize + got)
+                if k <= 0:
+                    raise OSError(f"{self.path}: short read at byte {self.offset + first * self.dtype.itemsize + got}")
+                got += k
+        finally:
+            os.close(fd)
+        if self.owner is not None:
+            self.owner.bytes_read += n
+        return np.frombuffer(buf, self.dtype)
+
+    def __array__(self, dtype=None, copy=None):
+        a = self._read(0, self.size).reshape(self.shape)
+        return a if dtype is None else a.astype(dtype)
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        lead = index[0] if index else slice(None)
+        inner_cut = any(not (isinstance(i, slice) and i.indices(n) == (0, n, 1))
+                        for i, n in zip(index[1:], self.shape[1:]))
+        if not self.shape or inner_cut or not isinstance(lead, slice) or lead.step not in (None, 1):
+            # a cut across rows (a column-parallel shard): the whole tensor is read once and
+            # kept while this object lives (the load drops it once the parameter is placed)
+            if self._whole is None:
+                self._whole = np.asarray(self)
+            return self._whole[index]
+        a, b, _ = lead.indices(self.shape[0])
+        b = max(a, b)
+        row = int(np.prod(self.shape[1:], dtype=np.int64))
+        rows = self._read(a * row, (b - a) * row).reshape((b - a,) + self.shape[1:])
+        return rows[(slice(None),) + tuple(index[1:])]
+
+    def astype(self, dtype) -> np.ndarray:
+        return np.asarray(self).astype(dtype)
+
+
 class Checkpoint:
     """Lazy view of a safetensors checkpoint directory (see :func:`open_checkpoint`)."""
 
@@ -90,6 +154,8 @@ class Checkpoint:
         self.path = p
         self._root = root
         self._handles: dict[str, object] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}  # file -> (data start, header), for lazy()
+        self.bytes_read = 0  # by lazy() tensors
         if None in files:  # single file: names come from its header
             fname = files[None]
             self._where = {name: fname for name in self._handle(fname).keys()}
@@ -126,6 +192,11 @@ class Checkpoint:
         """Safetensors file names (relative to the checkpoint directory)."""
         return sorted(set(self._where.values()))
 
+    @property
+    def nbytes(self) -> int:
+        """Size of the safetensors files on disk."""
+        return sum((self._root / f).stat().st_size for f in self.files)
+
     def keys(self) -> list[str]:
         """All tensor names, sorted."""
         return list(self._keys)
@@ -150,6 +221,21 @@ class Checkpoint:
     def get(self, name: str) -> np.ndarray:
         """Read one tensor (BF16 -> ml_dtypes.bfloat16)."""
         return self._handle(self._file_of(name)).get_tensor(name)
+
+    def lazy(self, name: str) -> LazyTensor:
+        """A :class:`LazyTensor` of ``name``: nothing is read until it is indexed."""
+        fname = self._file_of(name)
+        path = str(self._root / fname)
+        head = self._headers.get(fname)
+        if head is None:
+            with open(path, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                head = self._headers[fname] = (8 + n, json.loads(fh.read(n)))
+        start, meta = head
+        info = meta[name]
+        if info["dtype"] not in _ST_TO_NP:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which this reader does not know")
+        return LazyTensor(path, start + info["data_offsets"][0], info["shape"], _ST_TO_NP[info["dtype"]], owner=self)
 
     def items(self) -> Iterator[tuple[str, np.ndarray]]:
         """Yield ``(name, array)`` one tensor at a time, in sorted name order."""

@@ -135,7 +135,13 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, dequantize_expe
         cfg = K3Config.from_dict(ckpt.config)
         model_cfg = cfg.replace(experts_mxfp4=False) if (dequantize_experts and cfg.experts_mxfp4) else cfg
         module = nnx.eval_shape(lambda: KimiLM(model_cfg, dt))
-        tensors = ((n, (lambda n=n: ckpt.get(n)), ckpt.shape(n)) for n in ckpt.keys())
+        # placed: tensors are read lazily, each device reading only its own slice
+        read = ckpt.lazy if placement is not None else ckpt.get
+        tensors = ((n, (lambda n=n: read(n)), ckpt.shape(n)) for n in ckpt.keys())
         load_weights(module, model_cfg, tensors, ckpt_cfg=cfg, dequantize_experts=dequantize_experts,
                      source=str(path), placement=placement)
-    return KimiModel(module, model_cfg, dt, page_size=page_size)
+        total = ckpt.nbytes
+        read_bytes = ckpt.bytes_read if placement is not None else total
+    model = KimiModel(module, model_cfg, dt, page_size=page_size)
+    model.load_stats = {"bytes_read": read_bytes, "checkpoint_bytes": total}  # a placed load reads its slices
+    return model

@@ -253,10 +253,32 @@ def _row_sharding(sharding):
     return sharding
 
 
+class _ExpertStack:
+    """A layer's routed experts ``[E, ...]`` as their unread per-expert tensors: indexing
+    reads only the experts and slices asked for (one device's shard)."""
+
+    def __init__(self, experts: list):
+        self.experts = experts
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        rest = tuple(index[1:])
+        return np.stack([np.asarray(self.experts[e][rest] if rest else self.experts[e])
+                         for e in range(len(self.experts))[index[0] if index else slice(None)]])
+
+
 def _placed(host: np.ndarray, shape: tuple, dtype, sharding) -> jax.Array:
-    """``host`` as a global array on ``sharding``, built from per-device slices only."""
-    return jax.make_array_from_callback(shape, sharding, lambda index: np.asarray(host[index]).astype(dtype),
-                                        dtype=dtype)
+    """``host`` as a global array on ``sharding``, built from per-device slices only. A
+    slice that several local devices hold (a replicated axis) is read once."""
+    read: dict = {}
+
+    def slice_of(index):
+        key = tuple((i.start, i.stop, i.step) if isinstance(i, slice) else i for i in index)
+        if key not in read:
+            read[key] = np.asarray(host[index]).astype(dtype)
+        return read[key]
+
+    return jax.make_array_from_callback(shape, sharding, slice_of, dtype=dtype)
 
 
 def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarray], tuple]], *,
@@ -277,14 +299,21 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
     params = _all_params(model)
     by_id = {id(v): k for k, v in params.items()}
 
+    asked: dict[int, object] = {}  # id(var) -> its sharding: placement is asked once per parameter
+
     def sharding_of(var, shape: tuple):
-        return None if placement is None else placement(by_id[id(var)], shape)
+        if placement is None:
+            return None
+        if id(var) not in asked:
+            asked[id(var)] = placement(by_id[id(var)], shape)
+        return asked[id(var)]
 
     def put(var, arr: np.ndarray, shape: tuple, dtype, group: int | None):
         """``arr`` becomes the parameter (``group`` None) or its row ``group`` of a stack."""
         if group is None:
             sharding = sharding_of(var, shape)
-            var.set_value(jnp.asarray(arr.astype(dtype)) if sharding is None else _placed(arr, shape, dtype, sharding))
+            var.set_value(jnp.asarray(np.asarray(arr).astype(dtype)) if sharding is None
+                          else _placed(arr, shape, dtype, sharding))
             done.add(id(var))
             return
         if id(var) not in rows_filled:  # the stack starts as zeros, on its own sharding
@@ -292,7 +321,8 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
             var.set_value(_zeros(shape, dtype, rows_filled[id(var)][1]))
         filled, sharding = rows_filled[id(var)]
         row_sharding = None if sharding is None else _row_sharding(sharding)
-        row = jnp.asarray(arr.astype(dtype)) if row_sharding is None else _placed(arr, shape[1:], dtype, row_sharding)
+        row = jnp.asarray(np.asarray(arr).astype(dtype)) if row_sharding is None else \
+            _placed(arr, shape[1:], dtype, row_sharding)
         var.set_value(_set_row(var.get_value(), row, np.int32(group)))
         filled[group] = True
         if all(filled):
@@ -310,16 +340,20 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
             put(var, arr, shape, dtype, tgt.group)
             return
         row_shape = part[1:]
-        if arr.shape != row_shape:
+        if tuple(arr.shape) != row_shape:
             raise CheckpointError(f"{source}: tensor {name!r} has shape {list(arr.shape)}, expected {list(row_shape)}")
         key = (id(var), tgt.group)
-        if key not in staged:
-            staged[key] = (np.zeros(part, dtype), [False] * E)
+        if key not in staged:  # placed: the experts stay unread until each device takes its slices
+            lazy = placement is not None and sharding_of(var, shape) is not None
+            staged[key] = ([None] * E if lazy else np.zeros(part, dtype), [False] * E)
         buf, filled = staged[key]
-        buf[tgt.expert] = arr.astype(dtype)
+        if isinstance(buf, list):
+            buf[tgt.expert] = arr
+        else:
+            buf[tgt.expert] = np.asarray(arr).astype(dtype)
         filled[tgt.expert] = True
         if all(filled):
-            put(var, buf, shape, dtype, tgt.group)
+            put(var, _ExpertStack(buf) if isinstance(buf, list) else buf, shape, dtype, tgt.group)
             del staged[key]
 
     seen_stripped = {}
@@ -359,10 +393,10 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
             continue
         if tgt.expect is not None and tuple(shape) != tuple(tgt.expect):
             raise CheckpointError(f"{source}: tensor {raw_name!r} has shape {list(shape)}, expected {list(tgt.expect)}")
-        arr = np.asarray(read())
+        arr = read()  # with a placement, a LazyTensor: each device reads only its slice
         if tgt.convert is not None:
             try:
-                arr = tgt.convert(arr)
+                arr = tgt.convert(np.asarray(arr))
             except CheckpointError as err:
                 raise CheckpointError(f"{source}: tensor {raw_name!r} {err}") from None
         place(tgt, arr, raw_name)

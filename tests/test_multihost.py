@@ -1,7 +1,8 @@
 """Multi-host serving on loopback: `k3serve serve` as two processes × 4 virtual CPU devices
 (8 global devices, gloo collectives), the leader serving gRPC, the follower replaying its
 plans. For both recipes of the issue the greedy tokens through gRPC equal one device's, with
-prefix caching on (a second turn hits the cache); GetServerInfo reports the deployment;
+prefix caching on (a second turn hits the cache; a prefix evicted to the host-DRAM tier,
+kept per process, is reloaded); GetServerInfo reports the deployment;
 SIGTERM to the leader stops both with exit 0; SIGKILL of the follower during a decode gives
 the client UNAVAILABLE and the leader exits non-zero within 30 s, leaving no process.
 
@@ -11,6 +12,7 @@ Each cluster loads and compiles its programs in two processes on this machine's 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -54,14 +56,14 @@ def reference(ckpt):
 
 
 class Cluster:
-    def __init__(self, ckpt, recipe: str, tmp):
+    def __init__(self, ckpt, recipe: str, tmp, *extra: str):
         self.port, coord = free_port(), free_port()
         env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", K3SERVE_CACHE=str(tmp))
         self.logs = [open(tmp / f"p{i}.log", "w+") for i in range(2)]
         self.procs = [subprocess.Popen(
             [sys.executable, "-m", "k3serve.server.cli", "serve", "--model", str(ckpt), "--recipe", recipe,
              "--coordinator", f"127.0.0.1:{coord}", "--num-processes", "2", "--process-id", str(i),
-             "--port", str(self.port if i == 0 else free_port()), *SERVE],
+             "--port", str(self.port if i == 0 else free_port()), *SERVE, *extra],
             stdout=self.logs[i], stderr=subprocess.STDOUT, env=env) for i in (1, 0)][::-1]
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = pb_grpc.SglangSchedulerStub(self.channel)
@@ -69,7 +71,7 @@ class Cluster:
     def log(self, i: int) -> str:
         self.logs[i].flush()
         self.logs[i].seek(0)
-        return self.logs[i].read()[-4000:]
+        return "".join(ln for ln in self.logs[i] if "[Gloo]" not in ln)[-4000:]
 
     def wait_serving(self, timeout: float = 600) -> None:
         health = health_pb2_grpc.HealthStub(self.channel)
@@ -131,11 +133,22 @@ def _check_tokens_and_prefix(c: Cluster, reference) -> None:
     assert cached2 >= 16, f"the second turn should hit the prefix cache (cached {cached2})"
 
 
-def test_dcp8_sp2_tokens_prefix_info_and_sigterm(ckpt, reference, tmp_path):
-    c = Cluster(ckpt, "ep=4,tp=2,dcp=8,sp=2", tmp_path)
+def test_dcp8_sp2_tokens_prefix_host_tier_info_and_sigterm(ckpt, reference, tmp_path):
+    # one device snapshot slot: every new prefix evicts the last one to the host tier
+    c = Cluster(ckpt, "ep=4,tp=2,dcp=8,sp=2", tmp_path, "--prefix-snapshots", "1")
     try:
         c.wait_serving()
         _check_tokens_and_prefix(c, reference)
+        # x is evicted from the device by y, so x's continuation can only hit the host tier,
+        # whose copy each process kept of its own shards
+        x, y = [(i * 11 + 2) % 500 for i in range(21)], [(i * 5 + 9) % 500 for i in range(21)]
+        assert c.complete(x, 3, "x")[0] == reference.greedy(x, 3)
+        assert c.complete(y, 3, "y")[0] == reference.greedy(y, 3)
+        out, cached = c.complete(x + [7, 8], 4, "x-again")
+        assert out == reference.greedy(x + [7, 8], 4) and cached >= 16, cached
+        for i in (0, 1):  # each process read its own slices, not the whole checkpoint
+            m = re.search(r"read (\d+) of (\d+) checkpoint bytes", c.log(i))
+            assert m and int(m.group(1)) < int(m.group(2)), c.log(i)
         info = c.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).server_args
         assert info["nnodes"] == 2 and info["num_devices"] == 8
         assert dict(info["mesh_shape"]) == {"dp": 1, "ep": 4, "tp": 2}

@@ -14,8 +14,8 @@ Modes: synchronous (a row's token is on the host right after its step); **async*
 in flight, as ``Engine._step`` with async scheduling: the token arrives one step later, so
 ``Request.pending`` is set at plan time, decode rows read their input from the previous step
 and stops/aborts land with a row on the device); **host tier** (``host_bytes > 0``: device
-evictions are offloaded and deeper host hits reloaded, through a shadow ``read_prefix`` /
-``write_prefix``)."""
+evictions are offloaded and deeper host hits reloaded, through shadow host-tier
+operations)."""
 from __future__ import annotations
 
 import random
@@ -33,27 +33,12 @@ from k3serve.server.engine.sampling_params import SamplingParams
 from k3serve.server.engine.scheduler import Scheduler
 
 
-class _FakeDeviceArray:
-    """What ``read_prefix`` returns on a device: an array that becomes ready a little later."""
-
-    def __init__(self, a: np.ndarray, ready_after: int):
-        self.a, self.shape, self.size, self.dtype = a, a.shape, a.size, a.dtype
-        self._checks = ready_after
-
-    def is_ready(self) -> bool:
-        self._checks -= 1
-        return self._checks < 0
-
-    def __array__(self, dtype=None, copy=None):
-        return self.a
-
-
 class ShadowManager(CacheManager):
     """A bookkeeping-only manager whose copies move shadow contents instead of device rows.
 
-    ``host=True``: the host tier's device reads and writes (``read_prefix`` / ``write_prefix``)
-    move shadow contents too — an offload records what the evicted slot and pages hold at
-    that point of the program order, a reload writes it into the request's pages and slot."""
+    ``host=True``: the host tier's dispatched offload, reload and drop move shadow contents
+    too — an offload records what the evicted slot and pages hold at that point of the
+    program order, a reload writes it into the request's pages and slot."""
 
     def __init__(self, *a, host: bool = False, **k):
         super().__init__(*a, allocate=False, **k)
@@ -66,6 +51,7 @@ class ShadowManager(CacheManager):
                                                       page_size=plan.page_size)
         self.num_reads = 0
         self.reloaded: dict = {}  # rid -> tokens reloaded from the host tier
+        self.shadow_host: dict[int, tuple] = {}  # host-tier entry id -> (slot state, page rows)
 
     def flush_copies(self) -> int:
         pc, sc = list(self._page_copies), list(self._slot_copies)
@@ -79,30 +65,28 @@ class ShadowManager(CacheManager):
         finally:
             self.device_cache = dc
 
-    def read_prefix(self, slot: int, pages: list[int]):
+    def _run_offload(self, eid: int, slot: int, idx, tokens: int) -> int:
         ps = self.page_size
-        padded = pad_pow2(pages)  # as on the device: the page count padded with repeats
-        rows = np.empty((1, len(padded), ps, 1), object)
-        for i, p in enumerate(padded):
-            rows[0, i, :, 0] = self.page_rows.get(p, [None] * ps)
-        state, conv = np.empty(1, object), np.empty(1, object)
-        state[0] = conv[0] = self.slot_state.get(slot)
+        rows = np.empty((len(idx), ps), object)  # as on the device: the pages padded with repeats
+        for i, p in enumerate(idx):
+            rows[i] = self.page_rows.get(int(p), [None] * ps)
+        self.shadow_host[eid] = (self.slot_state.get(slot), rows)
         self.num_reads += 1
-        lag = self.num_reads % 3  # some entries are still "on the device" at the next drains
-        return tuple(_FakeDeviceArray(a, lag) for a in (state, conv, rows))
+        return 16 + 8 * tokens  # the device's formula with 8-byte items: state, conv, a row per token
 
-    def write_prefix(self, rid, rows, state, conv) -> None:
-        ps, n = self.page_size, rows.shape[1]
-        pages = self.pages_of(rid)
-        assert len(pages) * ps >= n, f"{rid} holds {len(pages)} pages, too few for {n} rows"
-        self.flush_copies()  # as the real one: queued copies land first
-        for p in pages[: -(-n // ps)]:
-            self.page_rows[p] = [None] * ps  # the load writes whole pages (zeros past the prefix)
-        for t in range(n):
-            self.page_rows[pages[t // ps]][t % ps] = rows[0, t, 0]
-        assert state[0] == conv[0]
-        self.slot_state[self.slot_of(rid)] = state[0]
-        self.reloaded[rid] = n
+    def reload_prefix(self, rid, eid: int, tokens: int) -> None:
+        self.reloaded[rid] = tokens
+        super().reload_prefix(rid, eid, tokens)
+
+    def _run_reload(self, eid: int, idx, pos0, slot: int, tokens: int) -> None:
+        state, rows = self.shadow_host[eid]
+        assert len(rows) == len(idx), "the reload writes as many pages as the offload read"
+        for i, p in enumerate(idx):  # whole pages, nothing past the prefix
+            self.page_rows[int(p)] = [rows[i, j] if pos0[i] + j < tokens else None for j in range(self.page_size)]
+        self.slot_state[slot] = state
+
+    def _run_drop(self, eid: int) -> None:
+        del self.shadow_host[eid]
 
 
 def _cfg():
@@ -263,7 +247,9 @@ def _fuzz(seed, interval, budget_pages, dp, dcp, *, async_=False, host_bytes=0, 
         if done is not None:
             process(done)
         if pc.host is not None:
-            pc.host.drain()
+            mgr.drain_host()
+            # every process's copies are exactly the index's entries: none leaked, none missing
+            assert set(mgr.shadow_host) == {e.eid for e in pc.host._entries.values()}
         if live and rng.random() < 0.03:  # abort someone (Engine.abort)
             req = rng.choice(live)
             if not req.finished:

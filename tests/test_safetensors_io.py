@@ -116,3 +116,27 @@ def test_golden_header():
         assert a_log.dtype == np.float32 and a_log.shape == (16,) and np.all(a_log[4:] == 0)
         emb = ck.get("language_model.model.embed_tokens.weight")
         assert emb.dtype == ml_dtypes.bfloat16 and emb.shape == (512, 64)
+
+
+def test_lazy_tensor_reads_only_the_rows_it_is_asked_for():
+    """``Checkpoint.lazy``: slices equal the whole tensor's, and a leading-axis slice reads just
+    its rows (what a multi-process load relies on to read only its own shards)."""
+    from _util import DATA
+
+    with open_checkpoint(DATA / "k3-tiny-a") as ck:
+        for name in ck.keys():
+            whole = ck.get(name)
+            lazy = ck.lazy(name)
+            assert lazy.shape == whole.shape and lazy.dtype == whole.dtype
+            np.testing.assert_array_equal(np.asarray(lazy), whole)
+            if whole.ndim >= 2 and whole.shape[0] >= 4 and whole.shape[1] >= 2:
+                lazy = ck.lazy(name)
+                before = ck.bytes_read
+                np.testing.assert_array_equal(lazy[1:3], whole[1:3])
+                np.testing.assert_array_equal(lazy[2:3, :], whole[2:3, :])
+                assert ck.bytes_read - before == 3 * whole[0].nbytes  # rows only
+                # a cut across rows reads the whole tensor once, then serves every such cut
+                np.testing.assert_array_equal(lazy[:, 1:2], whole[:, 1:2])
+                np.testing.assert_array_equal(lazy[1:, :1], whole[1:, :1])
+                np.testing.assert_array_equal(lazy[::2], whole[::2])
+                assert ck.bytes_read - before == 3 * whole[0].nbytes + whole.nbytes

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from ...checkpoints.synthetic import model_or_demo
 from ...compile_cache import enable_compile_cache
@@ -140,8 +141,13 @@ def build_engine(args, path, dispatch=None):
     from ..engine.llm import recipe_placement
 
     # with a recipe: mesh first, then every parameter loaded straight into its shards
+    t = time.perf_counter()
     m = load_pretrained(path, dtype=args.dtype, dequantize_experts=args.dequantize_experts,
                         placement=recipe_placement(path, args.recipe))
+    st = m.load_stats
+    print(f"k3serve: loaded {path.name} in {time.perf_counter() - t:.1f}s: read {st['bytes_read']} of "
+          f"{st['checkpoint_bytes']} checkpoint bytes ({100 * st['bytes_read'] / max(1, st['checkpoint_bytes']):.0f}%), "
+          f"peak RSS {_peak_rss_mib():.0f} MiB", flush=True)
     detok = None
     try:
         from ..text.tokenizer import load_tokenizer
@@ -157,15 +163,11 @@ def build_engine(args, path, dispatch=None):
                  chunk_size=args.chunk_size, page_size=args.page_size, max_model_len=args.max_model_len,
                  bucket_growth=args.bucket_growth,
                  detokenizer=detok, async_scheduling=not args.sync, recipe=args.recipe,
-                 dispatch=dispatch, **{**prefix_kwargs(args), **_cluster_overrides(args)}, **kv)
+                 dispatch=dispatch, **prefix_kwargs(args), **kv)
     return eng
 
 
-def _cluster_overrides(args) -> dict:
-    """Engine arguments a multi-process deployment changes: the host-DRAM prefix tier is per
-    process and not replicated yet, so it is off."""
-    if getattr(args, "num_processes", None) in (None, 1) and not getattr(args, "distributed", None):
-        return {}
-    import jax
+def _peak_rss_mib() -> float:
+    import resource
 
-    return {"prefix_host_bytes": 0} if jax.process_count() > 1 else {}
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux

@@ -66,12 +66,17 @@ class FollowerChannel:
 
 def run_follower(engine, channel: FollowerChannel) -> int:
     """Run the leader's operations on ``engine`` until "stop" (returns 0). A failing
-    operation is reported to the leader and returns 1."""
+    operation is reported to the leader and returns 1. After each operation the follower
+    moves its finished host-tier offload copies to host memory, as the leader does after
+    each step."""
+    drain = getattr(getattr(engine, "cache_mgr", None), "drain_host", None)
     while True:
         op, args = channel.frames.get()
         if op == "op":
             try:
                 engine.dispatch(*args)
+                if drain is not None:
+                    drain()
             except BaseException as e:
                 traceback.print_exc()
                 try:

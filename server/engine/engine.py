@@ -61,9 +61,6 @@ class Engine:
         cfg = model.config
         # the device calls made while serving, by name (server.cluster: replayed on followers)
         self.dispatch = dispatch if dispatch is not None else LocalDispatch()
-        if self.dispatch.num_processes > 1 and enable_prefix_caching and prefix_host_bytes:
-            raise ValueError("the host-DRAM prefix tier is not available across processes yet: "
-                             "pass prefix_host_bytes=0 (--prefix-host-gb 0)")
         if compilation_cache_dir:  # process-global; entry points normally set it (compile_cache.py)
             from ...compile_cache import enable_compile_cache
 
@@ -275,7 +272,7 @@ class Engine:
             self.prefix_cache.events.publish()  # this step's stored/removed blocks, one numbered batch
             self.prefix_bytes_peak = max(self.prefix_bytes_peak, self.prefix_cache.bytes_held())
             if self.prefix_cache.host is not None:
-                self.prefix_cache.host.drain()  # finished offload copies: device arrays -> host memory
+                self.cache_mgr.drain_host()  # finished offload copies: device arrays -> host memory
         outputs = []
         for req in touched.values():
             n, fin = len(req.output), req.finished

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
+
 def _copy_pages(cache, src, dst):
     kv = cache.mla_kv
     return dataclasses.replace(cache, mla_kv=kv.at[:, dst].set(kv[:, src]))
@@ -17,7 +20,12 @@ def _copy_slots(cache, src, dst):
     return dataclasses.replace(cache, kda_state=st.at[:, dst].set(st[:, src]), kda_conv=cv.at[:, dst].set(cv[:, src]))
 
 
-def _load_prefix(cache, idx, rows, slot, state, conv):
+def _load_prefix(cache, idx, pos0, rows, tokens, slot, state, conv):
+    """Pages ``idx`` := gathered pages ``rows`` ``[nM, P', page_size, W]``, zero from position
+    ``tokens`` on (``pos0``: each page's first position); slot ``slot`` := the state."""
+    ps = rows.shape[2]
+    keep = (pos0[:, None] + jnp.arange(ps)[None, :]) < tokens
+    rows = jnp.where(keep[None, :, :, None], rows, 0)
     return dataclasses.replace(cache, mla_kv=cache.mla_kv.at[:, idx].set(rows.astype(cache.mla_kv.dtype)),
                                kda_state=cache.kda_state.at[:, slot].set(state),
                                kda_conv=cache.kda_conv.at[:, slot].set(conv))

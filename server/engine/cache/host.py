@@ -9,8 +9,12 @@ device again (so the two tiers agree on the longest prefix).
 
 Offload never waits for the device: the gathers are dispatched in program order (after every
 step launched so far, so they read what the evicted slot and pages hold before anything can
-reuse them) and stay device arrays until ``drain`` finds them ready and moves them to host
-memory. Entries are LRU under their own byte budget (``max_bytes``).
+reuse them) and stay device arrays until ``CacheManager.drain_host`` finds them ready and
+moves them to host memory. Entries are LRU under their own byte budget (``max_bytes``).
+
+Under multi-host the leader's :class:`HostTier` is the one index; the data is per process:
+offload, reload and drop are dispatched operations (``CacheManager``), so every process keeps
+the shards of each entry that its own devices held, and rebuilds them on a reload.
 """
 from __future__ import annotations
 
@@ -22,29 +26,65 @@ import numpy as np
 
 @dataclasses.dataclass
 class HostEntry:
+    """The leader's index entry of an offloaded prefix; the data is each process's
+    :class:`HostCopy` under ``eid`` (``CacheManager.offload_prefix``)."""
+
     tokens: int  # prefix length (a unit multiple)
-    state: object  # [nK, H, dk, dv] (np.ndarray once drained, a device array before)
-    conv: object  # [nK, W-1, 3P]
-    rows: object  # [nM, tokens, width] MLA latent rows of the whole prefix (before draining: the
-    #               gathered pages [nM, P', page_size, width], P' padded to a power of two)
+    eid: int  # the copy's id in every process's CacheManager
     nbytes: int
 
+
+class HostCopy:
+    """One process's part of an offloaded prefix: ``(state, conv, rows)`` — KDA state
+    ``[nK, H, dk, dv]``, conv window ``[nK, W-1, 3P]``, and the prefix's pages as gathered
+    ``[nM, P', page_size, W]`` (``P'`` the page count padded to a power of two with repeats
+    of the first). Device arrays until :meth:`to_host` keeps, per array, this process's
+    distinct shards in host memory (a slice several local devices hold is kept once);
+    :meth:`device_arrays` rebuilds the global arrays from them for a reload."""
+
+    def __init__(self, arrays: tuple):
+        self.arrays = arrays
+        self.host: list | None = None  # per array: (shape, dtype, sharding, {device: shard index}, {index: data})
+
+    @property
+    def on_host(self) -> bool:
+        return self.host is not None
+
     def ready(self) -> bool:
-        return all(isinstance(a, np.ndarray) or a.is_ready() for a in (self.state, self.conv, self.rows))
+        return self.on_host or all(a.is_ready() for a in self.arrays)
 
     def to_host(self) -> None:
-        if isinstance(self.rows, np.ndarray):
+        if self.on_host:
             return
-        self.state, self.conv = np.asarray(self.state), np.asarray(self.conv)
-        r = np.asarray(self.rows)
-        self.rows = np.ascontiguousarray(r.reshape(r.shape[0], -1, r.shape[-1])[:, : self.tokens])
+        host = []
+        for a in self.arrays:
+            where, data = {}, {}
+            for sh in a.addressable_shards:
+                key = tuple((i.start, i.stop, i.step) for i in sh.index)
+                where[sh.device] = key
+                if key not in data:
+                    data[key] = np.asarray(sh.data)
+            host.append((a.shape, a.dtype, a.sharding, where, data))
+        self.host, self.arrays = host, None
+
+    def device_arrays(self) -> tuple:
+        if not self.on_host:
+            return self.arrays
+        import jax
+
+        return tuple(jax.make_array_from_single_device_arrays(
+            shape, sharding, [jax.device_put(data[key], dev) for dev, key in where.items()], dtype=dtype)
+            for shape, dtype, sharding, where, data in self.host)
 
 
 class HostTier:
-    def __init__(self, max_bytes: int):
+    """The leader's index of offloaded prefixes: LRU under ``max_bytes``. ``on_drop(eid)``
+    runs for every entry that leaves (eviction, ``clear``), so each process frees its copy."""
+
+    def __init__(self, max_bytes: int, on_drop=None):
         self.max_bytes = int(max_bytes)
+        self.on_drop = on_drop
         self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()
-        self._pending: list[HostEntry] = []  # entries whose copies are still device arrays
         self.bytes_held = 0
         self.offloaded = 0  # entries written
         self.reloaded = 0  # hits served from here
@@ -57,18 +97,25 @@ class HostTier:
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
 
+    def fits(self, key: bytes, nbytes: int) -> bool:
+        """Whether an entry of ``nbytes`` under ``key`` would be stored (it is not there yet
+        and fits the budget at all)."""
+        return key not in self._entries and nbytes <= self.max_bytes
+
     def put(self, key: bytes, entry: HostEntry) -> bool:
         if entry.nbytes > self.max_bytes:
+            self._dropped(entry)
             return False
         if key in self._entries:
             self._entries.move_to_end(key)
+            self._dropped(entry)
             return True
         while self.bytes_held + entry.nbytes > self.max_bytes:
             _, old = self._entries.popitem(last=False)
             self.bytes_held -= old.nbytes
             self.evicted += 1
+            self._dropped(old)
         self._entries[key] = entry
-        self._pending.append(entry)
         self.bytes_held += entry.nbytes
         self.offloaded += 1
         return True
@@ -83,24 +130,16 @@ class HostTier:
     def take(self, key: bytes) -> HostEntry:
         e = self._entries[key]
         self._entries.move_to_end(key)
-        e.to_host()
         return e
 
-    def drain(self) -> None:
-        """Move finished offload copies to host memory (device memory is given back)."""
-        keep = []
-        for e in self._pending:
-            if isinstance(e.rows, np.ndarray):
-                continue
-            if e.ready():
-                e.to_host()
-            else:
-                keep.append(e)
-        self._pending = keep
+    def _dropped(self, entry: HostEntry) -> None:
+        if self.on_drop is not None:
+            self.on_drop(entry.eid)
 
     def clear(self) -> None:
+        for e in self._entries.values():
+            self._dropped(e)
         self._entries.clear()
-        self._pending.clear()
         self.bytes_held = 0
 
     def check_invariants(self) -> None:

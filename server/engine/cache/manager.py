@@ -30,6 +30,7 @@ from ....intmath import cdiv, pad_pow2
 from ....model.cache import allocate_cache, cache_bytes
 
 from .device_ops import PROGRAMS
+from .host import HostCopy
 from .pages import PagePool
 from .planning import CapacityPlan
 from .slots import SCRATCH, SlotPool
@@ -73,7 +74,11 @@ class CacheManager:
                       if allocate else None)
         self.dispatch = dispatch if dispatch is not None else LocalDispatch()
         self.dispatch.register("cache_copy", self._run_copy)
-        self.dispatch.register("cache_load", self._run_load)
+        self.dispatch.register("host_offload", self._run_offload)
+        self.dispatch.register("host_reload", self._run_reload)
+        self.dispatch.register("host_drop", self._run_drop)
+        self._host: dict[int, HostCopy] = {}  # this process's parts of host-tier entries, by entry id
+        self._next_eid = 0
 
     # ------------------------------------------------------------------ per request
     def admit(self, rid: Hashable, group: int | None = None, rank0: int | None = None) -> bool:
@@ -158,34 +163,56 @@ class CacheManager:
             raise ValueError(f"no cache copy program {name!r}")
         self.device_cache = self._program(name)(self.device_cache, jnp.asarray(src), jnp.asarray(dst))
 
-    def _run_load(self, idx: np.ndarray, rows: np.ndarray, slot: int, state: np.ndarray, conv: np.ndarray) -> None:
-        """Write page rows ``rows`` to pages ``idx`` and a KDA state to ``slot`` (the
-        dispatched operation "cache_load")."""
-        self.device_cache = self._program("load")(self.device_cache, jnp.asarray(idx, jnp.int32), jnp.asarray(rows),
-                                                  jnp.int32(slot), jnp.asarray(state), jnp.asarray(conv))
+    # ------------------------------------------------------------------ host tier copies
+    def offload_prefix(self, slot: int, pages: list[int], tokens: int) -> tuple[int, int]:
+        """Copy snapshot ``slot`` and the ``pages`` of a ``tokens``-long prefix out for the
+        host tier (dispatched: every process keeps its own shards). Returns (entry id, bytes
+        of the entry). Dispatched now, so it reads what those hold after every launched step."""
+        eid = self._next_eid
+        self._next_eid += 1
+        nbytes = self.dispatch("host_offload", eid, slot, np.asarray(pad_pow2(pages), np.int32), tokens)
+        return eid, nbytes
 
-    def read_prefix(self, slot: int, pages: list[int]):
-        """(state, conv, rows) device arrays of snapshot ``slot`` and of ``pages`` (rows
-        ``[nM, P', page_size, W]``, the page count padded to a power of two with repeats) —
-        dispatched now, so they read what those hold after every launched step. One program
-        per power of two."""
-        return self._program("read")(self.device_cache, jnp.int32(slot), jnp.asarray(pad_pow2(pages), jnp.int32))
-
-    def write_prefix(self, rid: Hashable, rows, state, conv) -> None:
-        """Write a reloaded prefix into ``rid``'s pages (which must cover its rows) and slot."""
+    def reload_prefix(self, rid: Hashable, eid: int, tokens: int) -> None:
+        """Write host-tier entry ``eid`` (a ``tokens``-long prefix) into ``rid``'s pages, which
+        must cover it, and its slot."""
         req = self._req(rid)
-        n = rows.shape[1]
-        P = cdiv(n, self.page_size)
-        pages = req.pages[:P]
-        if len(pages) < P:
+        P = cdiv(tokens, self.page_size)
+        if len(req.pages) < P:
             raise ValueError(f"request {rid!r} holds {len(req.pages)} pages, fewer than the {P} to load")
-        pad = np.zeros((rows.shape[0], P * self.page_size, rows.shape[2]), rows.dtype)
-        pad[:, :n] = rows
-        pad = pad.reshape(rows.shape[0], P, self.page_size, rows.shape[2])
-        idx = pad_pow2(pages)  # the page count padded to a power of two (repeats of page 0: the same write)
-        pad = pad[:, pad_pow2(list(range(P)))]
         self.flush_copies()
-        self.dispatch("cache_load", np.asarray(idx, np.int32), pad, req.slot, np.asarray(state), np.asarray(conv))
+        # the page count padded to a power of two with repeats of the first page (the same write),
+        # as the offload gathered them; each page's first position, for the mask past the prefix
+        idx = np.asarray(pad_pow2(req.pages[:P]), np.int32)
+        pos0 = np.asarray(pad_pow2([p * self.page_size for p in range(P)]), np.int32)
+        self.dispatch("host_reload", eid, idx, pos0, req.slot, tokens)
+
+    def drop_host(self, eid: int) -> None:
+        """Host-tier entry ``eid`` left the tier: every process frees its copy."""
+        self.dispatch("host_drop", eid)
+
+    def drain_host(self) -> None:
+        """Move this process's finished offload copies to host memory (device memory is given
+        back). Local: each process drains its own copies whenever it likes."""
+        for c in self._host.values():
+            if not c.on_host and c.ready():
+                c.to_host()
+
+    def _run_offload(self, eid: int, slot: int, idx: np.ndarray, tokens: int) -> int:
+        state, conv, rows = self._program("read")(self.device_cache, jnp.int32(slot), jnp.asarray(idx))
+        self._host[eid] = HostCopy((state, conv, rows))
+        row_bytes = rows.shape[0] * rows.shape[-1] * rows.dtype.itemsize
+        return sum(int(a.size) * a.dtype.itemsize for a in (state, conv)) + tokens * row_bytes
+
+    def _run_reload(self, eid: int, idx: np.ndarray, pos0: np.ndarray, slot: int, tokens: int) -> None:
+        state, conv, rows = self._host[eid].device_arrays()
+        if rows.shape[1] != len(idx):
+            raise ValueError(f"host entry {eid} holds {rows.shape[1]} pages, the reload writes {len(idx)}")
+        self.device_cache = self._program("load")(self.device_cache, jnp.asarray(idx), jnp.asarray(pos0), rows,
+                                                  jnp.int32(tokens), jnp.int32(slot), state, conv)
+
+    def _run_drop(self, eid: int) -> None:
+        self._host.pop(eid, None)
 
     def _program(self, name: str):
         """The jitted cache program ``name`` (``PROGRAMS``), built once. Programs that return

@@ -82,7 +82,7 @@ class PrefixCache:
                                  bytes_per_page=plan.bytes_per_page, bytes_per_snapshot=plan.bytes_per_slot,
                                  free_snapshot=cache_mgr.slots.free_snapshot, on_event=self._on_index_event,
                                  on_evict=self._offload if host_bytes else None)
-        self.host = HostTier(host_bytes) if host_bytes else None
+        self.host = HostTier(host_bytes, on_drop=cache_mgr.drop_host) if host_bytes else None
         self.events = KvEventLog()
         self._ctx_req = None  # the request being registered (its tokens name stored blocks)
         self._seen: OrderedDict[bytes, None] = OrderedDict()  # keys of prefixes computed before
@@ -129,10 +129,11 @@ class PrefixCache:
         if self.cache_mgr.device_cache is None:
             return
         tokens = units * self.unit
-        state, conv, rows = self.cache_mgr.read_prefix(slot, pages)
-        row_bytes = rows.shape[0] * rows.shape[-1] * rows.dtype.itemsize
-        nbytes = sum(int(a.size) * a.dtype.itemsize for a in (state, conv)) + tokens * row_bytes
-        self.host.put(key, HostEntry(tokens, state, conv, rows, nbytes))
+        if key in self.host:
+            self.host.take(key)  # already there: only freshened
+            return
+        eid, nbytes = self.cache_mgr.offload_prefix(slot, pages, tokens)
+        self.host.put(key, HostEntry(tokens, eid, nbytes))
 
     # ------------------------------------------------------------------ admission
     def lookup(self, req):
@@ -170,7 +171,7 @@ class PrefixCache:
             while not self.cache_mgr.ensure_tokens(req.rid, hit.tokens):
                 if not self.reclaim(group):
                     return False
-            self.cache_mgr.write_prefix(req.rid, entry.rows, entry.state, entry.conv)
+            self.cache_mgr.reload_prefix(req.rid, entry.eid, entry.tokens)
             req.num_computed = hit.tokens
             n = hit.tokens // self.unit
             self.host.reloaded += 1
