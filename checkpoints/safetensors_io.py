@@ -73,12 +73,14 @@ _ST_TO_NP = {v: k for k, v in _NP_TO_ST.items()}
 
 
 class LazyTensor:
-    """One tensor of a checkpoint, read only where indexed: ``t[index]`` with a slice of rows
-    (and whole rows) reads just those rows' bytes, with ``os.pread`` — no memory map, so
-    nothing of the file stays resident in the process. An index that cuts across rows reads
-    the whole tensor once and keeps it for the next such index.
+    """One tensor of a checkpoint, read only where indexed: ``t[a:b]`` reads just those rows'
+    bytes and ``t[a:b, c:d]`` those columns of each row, with ``os.pread`` — no memory map,
+    so nothing of the file stays resident in the process. Any other index (steps, cuts past
+    the second axis) reads the whole tensor once and keeps it for the next such index.
     ``np.asarray(t)`` reads it whole. What a multi-process load uses so that each process
     reads only the slices its devices hold (``model.weights``)."""
+
+    unread = True  # what the weight loader looks for: data it may read slice by slice
 
     def __init__(self, path: str, offset: int, shape: tuple[int, ...], dtype: np.dtype, owner=None):
         self.path, self.offset, self.shape, self.dtype = path, offset, tuple(shape), np.dtype(dtype)
@@ -114,20 +116,29 @@ class LazyTensor:
 
     def __getitem__(self, index) -> np.ndarray:
         index = index if isinstance(index, tuple) else (index,)
-        lead = index[0] if index else slice(None)
-        inner_cut = any(not (isinstance(i, slice) and i.indices(n) == (0, n, 1))
-                        for i, n in zip(index[1:], self.shape[1:]))
-        if not self.shape or inner_cut or not isinstance(lead, slice) or lead.step not in (None, 1):
-            # a cut across rows (a column-parallel shard): the whole tensor is read once and
-            # kept while this object lives (the load drops it once the parameter is placed)
-            if self._whole is None:
-                self._whole = np.asarray(self)
-            return self._whole[index]
-        a, b, _ = lead.indices(self.shape[0])
-        b = max(a, b)
-        row = int(np.prod(self.shape[1:], dtype=np.int64))
-        rows = self._read(a * row, (b - a) * row).reshape((b - a,) + self.shape[1:])
-        return rows[(slice(None),) + tuple(index[1:])]
+        index = index + (slice(None),) * (len(self.shape) - len(index))
+        plain = [isinstance(i, slice) and i.step in (None, 1) for i in index]
+        whole = [isinstance(i, slice) and i.indices(n) == (0, n, 1) for i, n in zip(index, self.shape)]
+        if self.shape and plain[0] and all(whole[2:]) and (len(self.shape) == 1 or plain[1]):
+            a, b, _ = index[0].indices(self.shape[0])
+            b = max(a, b)
+            inner = int(np.prod(self.shape[2:], dtype=np.int64))  # elements per [row, column]
+            if len(self.shape) == 1 or whole[1]:  # a block of whole rows: one read
+                row = int(np.prod(self.shape[1:], dtype=np.int64))
+                return self._read(a * row, (b - a) * row).reshape((b - a,) + self.shape[1:])
+            # columns c0:c1 of rows a:b (a column-parallel shard): one read per row
+            c0, c1, _ = index[1].indices(self.shape[1])
+            c1 = max(c0, c1)
+            cols = self.shape[1]
+            out = np.empty((b - a, c1 - c0) + self.shape[2:], self.dtype)
+            for r in range(a, b):
+                out[r - a] = self._read((r * cols + c0) * inner, (c1 - c0) * inner).reshape(out.shape[1:])
+            return out
+        # anything else (steps, integer indices, cuts past the second axis): the whole tensor
+        # once, kept while this object lives (the load drops it once the parameter is placed)
+        if self._whole is None:
+            self._whole = np.asarray(self)
+        return self._whole[index]
 
     def astype(self, dtype) -> np.ndarray:
         return np.asarray(self).astype(dtype)

@@ -253,18 +253,26 @@ def _row_sharding(sharding):
     return sharding
 
 
-class _ExpertStack:
-    """A layer's routed experts ``[E, ...]`` as their unread per-expert tensors: indexing
-    reads only the experts and slices asked for (one device's shard)."""
+class _Stack:
+    """Tensors stacked on a new leading axis — a layer's routed experts ``[E, ...]``, a
+    stack's layers ``[G, ...]`` — left unread: indexing reads only the parts and slices
+    asked for (one device's shard)."""
 
-    def __init__(self, experts: list):
-        self.experts = experts
+    def __init__(self, parts: list):
+        self.parts = parts
 
     def __getitem__(self, index) -> np.ndarray:
         index = index if isinstance(index, tuple) else (index,)
         rest = tuple(index[1:])
-        return np.stack([np.asarray(self.experts[e][rest] if rest else self.experts[e])
-                         for e in range(len(self.experts))[index[0] if index else slice(None)]])
+        return np.stack([np.asarray(self.parts[i][rest] if rest else self.parts[i])
+                         for i in range(len(self.parts))[index[0] if index else slice(None)]])
+
+
+def _unread(arr) -> bool:
+    """``arr`` is checkpoint data not read yet (a lazy tensor, or a stack of them)."""
+    if isinstance(arr, _Stack):
+        return all(_unread(p) for p in arr.parts)
+    return getattr(arr, "unread", False)  # checkpoints.safetensors_io.LazyTensor
 
 
 def _placed(host: np.ndarray, shape: tuple, dtype, sharding) -> jax.Array:
@@ -293,7 +301,7 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
     """
     E = cfg.num_experts
     staged: dict[tuple, tuple[np.ndarray, list]] = {}  # (id(var), group) -> (expert stack buffer, filled flags)
-    rows_filled: dict[int, tuple] = {}  # id(var) of a layer-stacked parameter -> (rows written, sharding)
+    rows_filled: dict[int, tuple] = {}  # id(var) of a layer-stacked parameter -> (rows, sharding, deferred)
     pending_mx: dict[tuple[str, int], dict] = {}  # dequant-at-load: (stack path, e) -> parts
     done: set[int] = set()
     params = _all_params(model)
@@ -316,16 +324,27 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
                           else _placed(arr, shape, dtype, sharding))
             done.add(id(var))
             return
-        if id(var) not in rows_filled:  # the stack starts as zeros, on its own sharding
-            rows_filled[id(var)] = ([False] * shape[0], sharding_of(var, shape))
-            var.set_value(_zeros(shape, dtype, rows_filled[id(var)][1]))
-        filled, sharding = rows_filled[id(var)]
-        row_sharding = None if sharding is None else _row_sharding(sharding)
-        row = jnp.asarray(np.asarray(arr).astype(dtype)) if row_sharding is None else \
-            _placed(arr, shape[1:], dtype, row_sharding)
-        var.set_value(_set_row(var.get_value(), row, np.int32(group)))
-        filled[group] = True
-        if all(filled):
+        if id(var) not in rows_filled:
+            sharding = sharding_of(var, shape)
+            # placed rows still unread (checkpoint slices) wait for the whole stack, which is then
+            # placed at once, each device reading its slices of every row; anything else starts
+            # as zeros on the stack's sharding and is written row by row
+            deferred = sharding is not None and _unread(arr)
+            rows_filled[id(var)] = ([None] * shape[0], sharding, deferred)
+            if not deferred:
+                var.set_value(_zeros(shape, dtype, sharding))
+        rows, sharding, deferred = rows_filled[id(var)]
+        if deferred:
+            rows[group] = arr
+        else:
+            row_sharding = None if sharding is None else _row_sharding(sharding)
+            row = jnp.asarray(np.asarray(arr).astype(dtype)) if row_sharding is None else \
+                _placed(arr, shape[1:], dtype, row_sharding)
+            var.set_value(_set_row(var.get_value(), row, np.int32(group)))
+            rows[group] = True
+        if all(r is not None for r in rows):
+            if deferred:
+                var.set_value(_placed(_Stack(rows), shape, dtype, sharding))
             done.add(id(var))
             del rows_filled[id(var)]
 
@@ -353,7 +372,7 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
             buf[tgt.expert] = np.asarray(arr).astype(dtype)
         filled[tgt.expert] = True
         if all(filled):
-            put(var, _ExpertStack(buf) if isinstance(buf, list) else buf, shape, dtype, tgt.group)
+            put(var, _Stack(buf) if isinstance(buf, list) else buf, shape, dtype, tgt.group)
             del staged[key]
 
     seen_stripped = {}

@@ -140,3 +140,33 @@ def test_local_dispatch_refuses_a_second_registration():
     with pytest.raises(ValueError, match="registered twice"):
         d.register("x", lambda: 2)
     assert d("x") == 1 and d.num_processes == 1
+
+
+def test_follower_exits_when_the_leader_is_gone(tmp_path):
+    """A follower whose main thread is stuck (as in a collective with a dead leader) still
+    exits, with 1, once the leader's channel closes."""
+    import subprocess
+    import sys
+    import textwrap
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    code = textwrap.dedent(f"""
+        import socket, threading
+        from k3serve.server.cluster.follower import FollowerChannel
+        ch = FollowerChannel(socket.create_connection(("127.0.0.1", {port})), heartbeat_s=0.05)
+        threading.Event().wait()  # the main thread never returns by itself
+    """)
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        srv.settimeout(60)
+        conn, _ = srv.accept()
+        conn.settimeout(30)
+        assert wire.recv(conn)[0] == "hb"  # it beats
+        conn.close()
+        assert child.wait(30) == 1
+    finally:
+        srv.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
