@@ -46,12 +46,12 @@ from .mxfp4 import GROUP_SIZE, _f32_bits_from_codes
 def repack_halves(packed, tk: int):
     """Checkpoint nibble order -> this kernel's: within each ``tk`` block of K, byte ``j`` =
     element ``j`` (low nibble) | element ``j + tk/2`` (high). Lossless; numpy or jax arrays
-    ``[..., N, K/2]`` with ``K % tk == 0`` and ``tk % 64 == 0``."""
+    ``[..., N, K/2]`` with ``K % tk == 0`` and ``tk % 32 == 0``."""
     xp = jnp if isinstance(packed, jax.Array) else np
     lead, half = packed.shape[:-1], packed.shape[-1]
     K = 2 * half
-    if tk % (2 * GROUP_SIZE) or K % tk:
-        raise ValueError(f"tk={tk} must be a multiple of {2 * GROUP_SIZE} dividing K={K}")
+    if tk % GROUP_SIZE or K % tk:
+        raise ValueError(f"tk={tk} must be a multiple of {GROUP_SIZE} dividing K={K}")
     codes = xp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*lead, K // tk, 2, tk // 2)
     return (codes[..., 0, :] | (codes[..., 1, :] << 4)).astype(xp.uint8).reshape(*lead, half)
 
@@ -77,11 +77,25 @@ def group_metadata(group_sizes, M: int, tm: int):
     return offsets, gid, tile, num.astype(jnp.int32)
 
 
-def _decode_half(codes_u8, scales_u8):
-    """``[tn, h]`` codes and ``[tn, h / 32]`` scale bytes -> exact float32 ``[tn, h]``."""
-    tn, h = codes_u8.shape
-    s = jnp.broadcast_to(scales_u8.astype(jnp.uint32)[:, :, None], (tn, h // GROUP_SIZE, GROUP_SIZE)).reshape(tn, h)
-    return jax.lax.bitcast_convert_type(_f32_bits_from_codes(codes_u8.astype(jnp.uint32), s), jnp.float32)
+def _decode_half(codes_u8, scales_u32):
+    """``[tn, h]`` codes and their ``[tn, h]`` scale bytes -> exact float32 ``[tn, h]``."""
+    return jax.lax.bitcast_convert_type(_f32_bits_from_codes(codes_u8.astype(jnp.uint32), scales_u32), jnp.float32)
+
+
+def decode_tile(wp, ws):
+    """A repacked ``[tn, tk/2]`` byte tile and its ``[tn, tk/32]`` scale bytes -> the two exact
+    float32 halves ``[tn, tk/2]`` (elements ``0..tk/2`` and ``tk/2..tk``). Value ops only."""
+    tn, h = wp.shape
+    s = jnp.broadcast_to(ws.astype(jnp.uint32)[:, :, None], (tn, ws.shape[1], GROUP_SIZE)).reshape(tn, 2 * h)
+    return _decode_half(wp & 0xF, s[:, :h]), _decode_half(wp >> 4, s[:, h:])
+
+
+def default_blocks(M: int, K: int, N: int, tm: int) -> tuple[int, int, int]:
+    """``(tm, tk, tn)`` for a ``[M, K] x [N, K]`` call: tk the largest of 512, 256, 128, 64, 32
+    dividing K (K itself if none), tn the largest of 512, 256, 128 dividing N (else N)."""
+    tk = next((t for t in (512, 256, 128, 64, 32) if K % t == 0), K)
+    tn = next((t for t in (512, 256, 128) if N % t == 0), N)
+    return tm, tk, tn
 
 
 def _kernel(offsets, gids, tiles, num, layer_base, x_ref, wp_ref, ws_ref, base_ref, o_ref, acc_ref, *, tm, tk):
@@ -92,10 +106,8 @@ def _kernel(offsets, gids, tiles, num, layer_base, x_ref, wp_ref, ws_ref, base_r
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
     x = x_ref[...]
-    wp, ws = wp_ref[...], ws_ref[...]
     h = tk // 2
-    w_lo = _decode_half(wp & 0xF, ws[:, : h // GROUP_SIZE]).astype(x.dtype)
-    w_hi = _decode_half(wp >> 4, ws[:, h // GROUP_SIZE:]).astype(x.dtype)
+    w_lo, w_hi = (w.astype(x.dtype) for w in decode_tile(wp_ref[...], ws_ref[...]))
     dims = (((1,), (1,)), ((), ()))
     acc_ref[...] += (jax.lax.dot_general(x[:, :h], w_lo, dims, preferred_element_type=jnp.float32)
                      + jax.lax.dot_general(x[:, h:], w_hi, dims, preferred_element_type=jnp.float32))
@@ -124,8 +136,8 @@ def mxfp4_gmm(x, w_packed, w_scale, group_sizes, layer=0, *, num_experts: int, g
     LE, N, half = w_packed.shape
     if 2 * half != K or w_scale.shape != (LE, N, K // GROUP_SIZE):
         raise ValueError(f"weights {w_packed.shape} / {w_scale.shape} do not match x {x.shape}")
-    if M % tm or K % tk or N % tn or tk % (2 * GROUP_SIZE):
-        raise ValueError(f"blocks {blocks} must divide M={M}, K={K}, N={N} (tk a multiple of 64)")
+    if M % tm or K % tk or N % tn or tk % GROUP_SIZE:
+        raise ValueError(f"blocks {blocks} must divide M={M}, K={K}, N={N} (tk a multiple of 32)")
     G = group_sizes.shape[0]
     offsets, gids, tiles, num = group_metadata(group_sizes, M, tm)
     base = jnp.asarray(layer, jnp.int32).reshape(1) * num_experts + group_offset

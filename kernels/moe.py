@@ -173,7 +173,8 @@ STRATEGIES = ("gather", "dense", "grouped", "blocked")
 
 
 def expert_ffn(x, topk_idx, topk_w, w1, w2, w3, act, num_experts: int, compute_dtype=jnp.float32,
-               strategy: str | None = None, valid=None, tile_rows: int | None = None, layer=None):
+               strategy: str | None = None, valid=None, tile_rows: int | None = None, layer=None,
+               backend: str = "reference"):
     """x [N, K]; topk_idx/topk_w [N, k]; w1/w3 [E, I, K], w2 [E, K, I] (dense or MXFP4).
 
     ``act(gate, up)`` is the gated activation (SiTU or SiLU·up), computed in fp32.
@@ -184,6 +185,9 @@ def expert_ffn(x, topk_idx, topk_w, w1, w2, w3, act, num_experts: int, compute_d
     layers, ``model.layer_plan``) and this layer's experts are used. ``gather`` and ``blocked``
     read the experts they need straight from the stack; ``dense`` and ``grouped``, which read
     every expert anyway, take the layer's slice.
+    ``backend`` "pallas" / "pallas-interpret" with MXFP4 experts: the grouped-matmul kernel
+    (``moe_gmm.py``; weights repacked at load), compiled for TPU or interpreted (CPU tests);
+    dense experts, and the reference backend, use the strategies above.
     Returns float32 [N, K]: sum_j w_j * w2_e(act(w1_e x, w3_e x)).
     """
     x, topk_idx, topk_w = jnp.asarray(x), jnp.asarray(topk_idx), jnp.asarray(topk_w)
@@ -195,6 +199,11 @@ def expert_ffn(x, topk_idx, topk_w, w1, w2, w3, act, num_experts: int, compute_d
     strategy = strategy or choose_strategy(N, k, E, I, K, mx)
     if valid is not None:
         valid = jnp.asarray(valid, bool).reshape(N)
+    if backend != "reference" and mx:
+        from .moe_gmm import gmm_experts, interpret_params
+
+        return gmm_experts(x, topk_idx, topk_w, w1, w2, w3, act, num_experts, compute_dtype, valid, layer,
+                           _pair_experts, interpret_params() if backend == "pallas-interpret" else None)
     if strategy == "blocked":
         return _blocked(x, topk_idx, topk_w, w1, w2, w3, act, num_experts, compute_dtype, valid,
                         tile_rows or blocked_tile_rows(N, k, num_experts, mx), layer)

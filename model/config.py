@@ -17,6 +17,9 @@ import os
 from typing import Any
 
 
+KERNEL_BACKENDS = ("reference", "pallas", "pallas-interpret")
+
+
 @dataclasses.dataclass(frozen=True)
 class K3Config:
     family: str  # "kimi_k3" or "kimi_linear"
@@ -67,6 +70,10 @@ class K3Config:
     pad_token_id: int | None = None
     max_position_embeddings: int | None = None
     tie_word_embeddings: bool = False
+    # the kernel backend the ops use (a load option, not in config.json; ``load_pretrained``):
+    # "reference" (pure JAX), "pallas" (TPU) or "pallas-interpret" (Pallas TPU kernels run
+    # by the interpreter: CPU tests)
+    kernels: str = "reference"
 
     # ------------------------------------------------------------------ derived
     @property
@@ -219,6 +226,8 @@ class K3Config:
             return cls.from_dict(json.load(f))
 
     def _validated(self) -> "K3Config":
+        if self.kernels not in KERNEL_BACKENDS:
+            raise ValueError(f"kernels={self.kernels!r} is not one of {', '.join(KERNEL_BACKENDS)}")
         if self.kda_layers and (self.kda_num_heads <= 0 or self.kda_head_dim <= 0):
             raise ValueError("KDA layers present but linear_attn_config lacks num_heads/head_dim")
         if self.num_experts_per_token > self.num_experts:

@@ -122,24 +122,46 @@ class KimiModel:
         return (out, rows) if return_logits else out
 
 
+def default_kernels() -> str:
+    """The kernel backend by platform: Pallas on TPU, the pure-JAX references elsewhere."""
+    return "pallas" if jax.default_backend() == "tpu" else "reference"
+
+
+def _repack_experts(module) -> None:
+    """MXFP4 experts' bytes in the grouped-matmul kernel's nibble order (lossless, once)."""
+    from ..kernels.ops import repack_experts
+    from .moe import Experts
+
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, Experts) and node.mxfp4:
+            for name in ("w1", "w2", "w3"):
+                var = getattr(node, name + "_packed")
+                var.set_value(repack_experts(var.get_value()))
+
+
 def load_pretrained(path: str | os.PathLike, dtype="float32", *, dequantize_experts: bool = False,
-                    page_size: int = 16, placement=None) -> KimiModel:
+                    page_size: int = 16, placement=None, kernels: str | None = None) -> KimiModel:
     """Load a Hugging Face K3 or Kimi Linear checkpoint directory (chosen by config.json).
 
     ``placement(param_path, shape) -> Sharding | None`` (e.g. ``sharding.mesh.placement_for``)
-    loads each parameter straight into its shards: every device receives only its slice."""
+    loads each parameter straight into its shards: every device receives only its slice.
+    ``kernels``: the ops' backend, "reference", "pallas" or "pallas-interpret" (default
+    :func:`default_kernels`); a Pallas backend repacks MXFP4 experts for its kernel at load."""
     from ..checkpoints.safetensors_io import open_checkpoint  # the file reader lives in checkpoints/
 
     dt = resolve_dtype(dtype)
     with open_checkpoint(path) as ckpt:
         cfg = K3Config.from_dict(ckpt.config)
         model_cfg = cfg.replace(experts_mxfp4=False) if (dequantize_experts and cfg.experts_mxfp4) else cfg
+        model_cfg = model_cfg.replace(kernels=kernels or default_kernels())
         module = nnx.eval_shape(lambda: KimiLM(model_cfg, dt))
         # placed: tensors are read lazily, each device reading only its own slice
         read = ckpt.lazy if placement is not None else ckpt.get
         tensors = ((n, (lambda n=n: read(n)), ckpt.shape(n)) for n in ckpt.keys())
         load_weights(module, model_cfg, tensors, ckpt_cfg=cfg, dequantize_experts=dequantize_experts,
                      source=str(path), placement=placement)
+        if model_cfg.kernels != "reference" and model_cfg.experts_mxfp4:
+            _repack_experts(module)
         total = ckpt.nbytes
         read_bytes = ckpt.bytes_read if placement is not None else total
     model = KimiModel(module, model_cfg, dt, page_size=page_size)

@@ -300,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--metrics-port", type=int, default=9090, help="Prometheus port (-1: off, 0: any free port)")
     sv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     sv.add_argument("--dequantize-experts", action="store_true")
+    sv.add_argument("--kernels", choices=["reference", "pallas", "pallas-interpret"], default=None,
+                    help="kernel backend (default: pallas on TPU, reference elsewhere)")
     sv.add_argument("--max-num-seqs", type=int, default=4, help="rows per step (concurrent running requests)")
     sv.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget per step")
     sv.add_argument("--chunk-size", type=int, default=64, help="longest prefill chunk per row")

@@ -143,7 +143,7 @@ def build_engine(args, path, dispatch=None):
     # with a recipe: mesh first, then every parameter loaded straight into its shards
     t = time.perf_counter()
     m = load_pretrained(path, dtype=args.dtype, dequantize_experts=args.dequantize_experts,
-                        placement=recipe_placement(path, args.recipe))
+                        placement=recipe_placement(path, args.recipe), kernels=getattr(args, "kernels", None))
     st = m.load_stats
     print(f"k3serve: loaded {path.name} in {time.perf_counter() - t:.1f}s: read {st['bytes_read']} of "
           f"{st['checkpoint_bytes']} checkpoint bytes ({100 * st['bytes_read'] / max(1, st['checkpoint_bytes']):.0f}%), "

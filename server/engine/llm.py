@@ -36,10 +36,11 @@ class LLM:
     one caller's requests that arrive while another steps the engine are kept for their
     owner, never dropped. A failed step raises ``EngineError`` (the engine cannot go on)."""
 
-    def __init__(self, model_path, dtype: str = "float32", *, dequantize_experts: bool = False, **engine_kwargs):
+    def __init__(self, model_path, dtype: str = "float32", *, dequantize_experts: bool = False,
+                 kernels: str | None = None, **engine_kwargs):
         placement = recipe_placement(model_path, engine_kwargs.get("recipe"), engine_kwargs.get("devices"))
         self.model = load_pretrained(model_path, dtype=dtype, dequantize_experts=dequantize_experts,
-                                     placement=placement)
+                                     placement=placement, kernels=kernels)
         self.engine = Engine(self.model, **engine_kwargs)
         self._mine: dict[str, list[RequestOutput]] = {}  # rid -> outputs not yet taken by its caller
 

@@ -1,0 +1,73 @@
+"""Routed experts through the MXFP4 grouped-matmul kernel (``gmm_mxfp4.py``): the ``pallas``
+backend of ``expert_ffn`` for MXFP4 experts.
+
+The (token, slot) pairs are sorted by expert (padding tokens go to a sentinel past every
+group, so no work), padded to a whole row tile, and run through three grouped matmuls —
+gate (w1), up (w3), the gated activation in float32, down (w2) — each reading only the
+visited experts' packed tiles of the *whole* weight stack ``[L, E, ...]`` with the layer as
+an index (no per-layer slice for XLA to copy). The weighted rows are added back into their
+tokens. Weights must have been repacked at load (``repack_experts``).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .gmm_mxfp4 import default_blocks, mxfp4_gmm, repack_halves
+
+
+def expert_tile_k(K: int) -> int:
+    """The ``tk`` the experts' repack and the kernel agree on for input width ``K``."""
+    return default_blocks(8, K, 128, 8)[1]
+
+
+def repack_experts(packed):
+    """The load-time repack of an expert stack's packed bytes ``[..., N, K/2]`` for the kernel."""
+    return repack_halves(packed, expert_tile_k(2 * packed.shape[-1]))
+
+
+def _row_tile(M: int) -> int:
+    return int(min(128, max(8, 1 << max(0, M - 1).bit_length())))
+
+
+def gmm_experts(x, topk_idx, topk_w, w1, w2, w3, act, E, compute_dtype, valid, layer, pair_experts,
+                interpret=None):
+    """``sum_j w_j * w2_e(act(w1_e x, w3_e x))`` (float32 ``[N, K]``) with MXFP4 ``(packed,
+    scale)`` weights, ``[E, ...]`` or layer stacks ``[L, E, ...]`` (``layer``: the row)."""
+    f32, i32 = jnp.float32, jnp.int32
+    N, K = x.shape
+    k = topk_idx.shape[1]
+    M = N * k
+    tm = _row_tile(M // max(1, E) + 1)
+    Mp = -(-M // tm) * tm
+    flat_e = pair_experts(topk_idx, valid, E)  # [M], E = sentinel (no expert)
+    order = jnp.argsort(flat_e, stable=True)
+    tok = (order // k).astype(i32)
+    sizes = jnp.zeros((E + 1,), i32).at[flat_e].add(1)[:E]
+    xs = jnp.zeros((Mp, K), compute_dtype).at[:M].set(x[tok].astype(compute_dtype))
+
+    def flat(w):  # [L, E, n, c] -> [L*E, n, c]: one stack, indexed by layer * E + expert
+        p, s = w
+        return p.reshape(-1, *p.shape[-2:]), s.reshape(-1, *s.shape[-2:])
+
+    lay = 0 if layer is None else layer
+
+    def gmm(h, w):
+        p, s = flat(w)
+        blocks = default_blocks(Mp, h.shape[1], p.shape[1], tm)
+        return mxfp4_gmm(h, p, s, sizes, lay, num_experts=E, blocks=blocks, interpret=interpret)
+
+    g, u = gmm(xs, w1), gmm(xs, w3)
+    h = act(g, u).astype(compute_dtype)
+    y = gmm(h, w2)[:M]
+    live = flat_e[order] < E
+    tw = topk_w.astype(f32).reshape(-1)[order]
+    contrib = jnp.where(live[:, None], y * tw[:, None], 0.0)
+    return jnp.zeros((N, y.shape[-1]), f32).at[tok].add(contrib)
+
+
+def interpret_params():
+    """What ``pallas-interpret`` runs the kernels with (CPU)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams()
+
