@@ -98,19 +98,30 @@ def default_blocks(M: int, K: int, N: int, tm: int) -> tuple[int, int, int]:
     return tm, tk, tn
 
 
-def _kernel(offsets, gids, tiles, num, layer_base, x_ref, wp_ref, ws_ref, base_ref, o_ref, acc_ref, *, tm, tk):
+def _kernel(offsets, gids, tiles, num, layer_base, *refs, tm, tk, act):
+    """One visit's ``[tm, tn]`` output tile over the K steps. ``act`` set: the gate/up pair —
+    refs carry a second weight (its packed and scale tiles) and accumulator, and the tile
+    stored is ``act(x W_gate^T, x W_up^T)``."""
+    if act is None:
+        x_ref, wp_ref, ws_ref, base_ref, o_ref, acc_ref = refs
+        pairs = ((wp_ref, ws_ref, acc_ref),)
+    else:
+        x_ref, wp_ref, ws_ref, up_p_ref, up_s_ref, base_ref, o_ref, acc_ref, up_acc_ref = refs
+        pairs = ((wp_ref, ws_ref, acc_ref), (up_p_ref, up_s_ref, up_acc_ref))
     t, kk = pl.program_id(1), pl.program_id(2)
 
     @pl.when(kk == 0)
     def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+        for _, _, a in pairs:
+            a[...] = jnp.zeros_like(a)
 
     x = x_ref[...]
     h = tk // 2
-    w_lo, w_hi = (w.astype(x.dtype) for w in decode_tile(wp_ref[...], ws_ref[...]))
     dims = (((1,), (1,)), ((), ()))
-    acc_ref[...] += (jax.lax.dot_general(x[:, :h], w_lo, dims, preferred_element_type=jnp.float32)
-                     + jax.lax.dot_general(x[:, h:], w_hi, dims, preferred_element_type=jnp.float32))
+    for p_ref, s_ref, a_ref in pairs:
+        w_lo, w_hi = (w.astype(x.dtype) for w in decode_tile(p_ref[...], s_ref[...]))
+        a_ref[...] += (jax.lax.dot_general(x[:, :h], w_lo, dims, preferred_element_type=jnp.float32)
+                       + jax.lax.dot_general(x[:, h:], w_hi, dims, preferred_element_type=jnp.float32))
 
     @pl.when(kk == pl.num_programs(2) - 1)
     def _():
@@ -120,17 +131,23 @@ def _kernel(offsets, gids, tiles, num, layer_base, x_ref, wp_ref, ws_ref, base_r
         # the tile's second visit (a group boundary inside it) keeps what the first stored
         again = (t > 0) & (tiles[jnp.maximum(t - 1, 0)] == tiles[t])
         base = jnp.where(again, o_ref[...], base_ref[...])
-        o_ref[...] = jnp.where(mine, acc_ref[...], base).astype(o_ref.dtype)
+        val = acc_ref[...] if act is None else act(acc_ref[...], up_acc_ref[...])
+        o_ref[...] = jnp.where(mine, val, base).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("num_experts", "group_offset", "blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_experts", "group_offset", "blocks", "interpret", "act"))
 def mxfp4_gmm(x, w_packed, w_scale, group_sizes, layer=0, *, num_experts: int, group_offset: int = 0,
-              blocks: tuple[int, int, int] = (128, 512, 256), existing=None, interpret=None):
+              blocks: tuple[int, int, int] = (128, 512, 256), existing=None, interpret=None, up=None, act=None):
     """``[M, N]`` float32: rows of group ``g`` times expert ``layer·E + group_offset + g``.
 
     ``w_packed`` must be :func:`repack_halves`-ed with ``blocks[1]`` (``tk``). ``blocks =
     (tm, tk, tn)``; M, N, K must be multiples of tm, tn, tk. ``interpret``: a
-    ``pltpu.InterpretParams`` (CPU tests) or None (compile for TPU)."""
+    ``pltpu.InterpretParams`` (CPU tests) or None (compile for TPU).
+
+    Fused gate/up: with ``up = (packed, scale)`` (a second stack of the same shape, e.g. w3
+    beside w1) and ``act`` (static, e.g. SiTU or ``silu(g) * u``, float32 in and out), the
+    result is ``act(x W^T, x W_up^T)``: both weights' tiles are decoded in the same visit and
+    x is read once."""
     tm, tk, tn = blocks
     M, K = x.shape
     LE, N, half = w_packed.shape
@@ -138,7 +155,10 @@ def mxfp4_gmm(x, w_packed, w_scale, group_sizes, layer=0, *, num_experts: int, g
         raise ValueError(f"weights {w_packed.shape} / {w_scale.shape} do not match x {x.shape}")
     if M % tm or K % tk or N % tn or tk % GROUP_SIZE:
         raise ValueError(f"blocks {blocks} must divide M={M}, K={K}, N={N} (tk a multiple of 32)")
-    G = group_sizes.shape[0]
+    if (up is None) != (act is None):
+        raise ValueError("the fused gate/up form needs both up= and act=")
+    if up is not None and (up[0].shape != w_packed.shape or up[1].shape != w_scale.shape):
+        raise ValueError(f"up weights {up[0].shape} / {up[1].shape} differ from {w_packed.shape} / {w_scale.shape}")
     offsets, gids, tiles, num = group_metadata(group_sizes, M, tm)
     base = jnp.asarray(layer, jnp.int32).reshape(1) * num_experts + group_offset
     existing = jnp.zeros((M, N), jnp.float32) if existing is None else existing.astype(jnp.float32)
@@ -147,18 +167,20 @@ def mxfp4_gmm(x, w_packed, w_scale, group_sizes, layer=0, *, num_experts: int, g
     def w_map(n, t, k, offsets, gids, tiles, num, base):
         return base[0] + gids[t], n, k
 
+    w_specs = [pl.BlockSpec((pl.Squeezed(), tn, tk // 2), w_map),
+               pl.BlockSpec((pl.Squeezed(), tn, tk // GROUP_SIZE), w_map)]
+    weights = [w_packed, w_scale] + ([] if up is None else list(up))
+    acc = pltpu.VMEM((tm, tn), jnp.float32)
     spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5, grid=(N // tn, V, K // tk),
         in_specs=[pl.BlockSpec((tm, tk), lambda n, t, k, o, g, ti, nu, b: (ti[t], k)),
-                  pl.BlockSpec((pl.Squeezed(), tn, tk // 2), w_map),
-                  pl.BlockSpec((pl.Squeezed(), tn, tk // GROUP_SIZE), w_map),
+                  *w_specs * (len(weights) // 2),
                   pl.BlockSpec((tm, tn), lambda n, t, k, o, g, ti, nu, b: (ti[t], n))],
         out_specs=pl.BlockSpec((tm, tn), lambda n, t, k, o, g, ti, nu, b: (ti[t], n)),
-        scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)])
-    del G
+        scratch_shapes=[acc] * (len(weights) // 2))
     return pl.pallas_call(
-        functools.partial(_kernel, tm=tm, tk=tk), grid_spec=spec,
+        functools.partial(_kernel, tm=tm, tk=tk, act=act), grid_spec=spec,
         out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
-        input_output_aliases={8: 0},  # row tiles no group visits keep ``existing``
-        interpret=interpret)(offsets, gids, tiles, num.reshape(1), base, x, w_packed, w_scale, existing)
+        input_output_aliases={6 + len(weights): 0},  # row tiles no group visits keep ``existing``
+        interpret=interpret)(offsets, gids, tiles, num.reshape(1), base, x, *weights, existing)

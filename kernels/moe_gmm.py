@@ -51,13 +51,12 @@ def gmm_experts(x, topk_idx, topk_w, w1, w2, w3, act, E, compute_dtype, valid, l
 
     lay = 0 if layer is None else layer
 
-    def gmm(h, w):
+    def gmm(h, w, **fused):
         p, s = flat(w)
         blocks = default_blocks(Mp, h.shape[1], p.shape[1], tm)
-        return mxfp4_gmm(h, p, s, sizes, lay, num_experts=E, blocks=blocks, interpret=interpret)
+        return mxfp4_gmm(h, p, s, sizes, lay, num_experts=E, blocks=blocks, interpret=interpret, **fused)
 
-    g, u = gmm(xs, w1), gmm(xs, w3)
-    h = act(g, u).astype(compute_dtype)
+    h = gmm(xs, w1, up=flat(w3), act=act).astype(compute_dtype)  # act(gate, up), fused
     y = gmm(h, w2)[:M]
     live = flat_e[order] < E
     tw = topk_w.astype(f32).reshape(-1)[order]
