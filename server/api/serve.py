@@ -64,7 +64,8 @@ def serve(args) -> int:
 
                 dispatch = leader_dispatch(args, cluster)
                 box["dispatch"] = dispatch
-                dispatch.on_lost.append(lambda why: (lost.set(), stop.set()))
+                # while loading, a loss stops the process; once serving, on_follower_lost fails the engine
+                dispatch.on_lost.append(lambda why: None if "loop" in box else (lost.set(), stop.set()))
             box["loop"] = _start_engine(args, path, metrics, dispatch)
         except BaseException as e:  # reported by the main thread
             box["error"] = e
