@@ -140,9 +140,6 @@ class LazyTensor:
             self._whole = np.asarray(self)
         return self._whole[index]
 
-    def astype(self, dtype) -> np.ndarray:
-        return np.asarray(self).astype(dtype)
-
 
 class Checkpoint:
     """Lazy view of a safetensors checkpoint directory (see :func:`open_checkpoint`)."""

@@ -90,12 +90,17 @@ def decode_tile(wp, ws):
     return _decode_half(wp & 0xF, s[:, :h]), _decode_half(wp >> 4, s[:, h:])
 
 
-def default_blocks(M: int, K: int, N: int, tm: int) -> tuple[int, int, int]:
-    """``(tm, tk, tn)`` for a ``[M, K] x [N, K]`` call: tk the largest of 512, 256, 128, 64, 32
-    dividing K (K itself if none), tn the largest of 512, 256, 128 dividing N (else N)."""
-    tk = next((t for t in (512, 256, 128, 64, 32) if K % t == 0), K)
+def tile_k(K: int) -> int:
+    """The ``tk`` for input width K: the largest of 512, 256, 128, 64, 32 dividing it (else K).
+    Weights are repacked with it, so the repack and the calls must agree."""
+    return next((t for t in (512, 256, 128, 64, 32) if K % t == 0), K)
+
+
+def default_blocks(K: int, N: int, tm: int) -> tuple[int, int, int]:
+    """``(tm, tk, tn)`` for a ``[M, K] x [N, K]`` call: :func:`tile_k`, and tn the largest of
+    512, 256, 128 dividing N (else N)."""
     tn = next((t for t in (512, 256, 128) if N % t == 0), N)
-    return tm, tk, tn
+    return tm, tile_k(K), tn
 
 
 def _kernel(offsets, gids, tiles, num, layer_base, *refs, tm, tk, act):

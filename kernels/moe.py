@@ -203,7 +203,7 @@ def expert_ffn(x, topk_idx, topk_w, w1, w2, w3, act, num_experts: int, compute_d
         from .moe_gmm import gmm_experts, interpret_params
 
         return gmm_experts(x, topk_idx, topk_w, w1, w2, w3, act, num_experts, compute_dtype, valid, layer,
-                           _pair_experts, interpret_params() if backend == "pallas-interpret" else None)
+                           interpret_params() if backend == "pallas-interpret" else None)
     if strategy == "blocked":
         return _blocked(x, topk_idx, topk_w, w1, w2, w3, act, num_experts, compute_dtype, valid,
                         tile_rows or blocked_tile_rows(N, k, num_experts, mx), layer)

@@ -12,25 +12,20 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .gmm_mxfp4 import default_blocks, mxfp4_gmm, repack_halves
-
-
-def expert_tile_k(K: int) -> int:
-    """The ``tk`` the experts' repack and the kernel agree on for input width ``K``."""
-    return default_blocks(8, K, 128, 8)[1]
+from .gmm_mxfp4 import default_blocks, mxfp4_gmm, repack_halves, tile_k
+from .moe import _pair_experts
 
 
 def repack_experts(packed):
     """The load-time repack of an expert stack's packed bytes ``[..., N, K/2]`` for the kernel."""
-    return repack_halves(packed, expert_tile_k(2 * packed.shape[-1]))
+    return repack_halves(packed, tile_k(2 * packed.shape[-1]))
 
 
 def _row_tile(M: int) -> int:
     return int(min(128, max(8, 1 << max(0, M - 1).bit_length())))
 
 
-def gmm_experts(x, topk_idx, topk_w, w1, w2, w3, act, E, compute_dtype, valid, layer, pair_experts,
-                interpret=None):
+def gmm_experts(x, topk_idx, topk_w, w1, w2, w3, act, E, compute_dtype, valid, layer, interpret=None):
     """``sum_j w_j * w2_e(act(w1_e x, w3_e x))`` (float32 ``[N, K]``) with MXFP4 ``(packed,
     scale)`` weights, ``[E, ...]`` or layer stacks ``[L, E, ...]`` (``layer``: the row)."""
     f32, i32 = jnp.float32, jnp.int32
@@ -39,7 +34,7 @@ def gmm_experts(x, topk_idx, topk_w, w1, w2, w3, act, E, compute_dtype, valid, l
     M = N * k
     tm = _row_tile(M // max(1, E) + 1)
     Mp = -(-M // tm) * tm
-    flat_e = pair_experts(topk_idx, valid, E)  # [M], E = sentinel (no expert)
+    flat_e = _pair_experts(topk_idx, valid, E)  # [M], E = sentinel (no expert)
     order = jnp.argsort(flat_e, stable=True)
     tok = (order // k).astype(i32)
     sizes = jnp.zeros((E + 1,), i32).at[flat_e].add(1)[:E]
@@ -53,7 +48,7 @@ def gmm_experts(x, topk_idx, topk_w, w1, w2, w3, act, E, compute_dtype, valid, l
 
     def gmm(h, w, **fused):
         p, s = flat(w)
-        blocks = default_blocks(Mp, h.shape[1], p.shape[1], tm)
+        blocks = default_blocks(h.shape[1], p.shape[1], tm)
         return mxfp4_gmm(h, p, s, sizes, lay, num_experts=E, blocks=blocks, interpret=interpret, **fused)
 
     h = gmm(xs, w1, up=flat(w3), act=act).astype(compute_dtype)  # act(gate, up), fused

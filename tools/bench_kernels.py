@@ -52,13 +52,13 @@ def main() -> None:
         print(f"skipped: Pallas TPU kernels need a TPU (this backend is {jax.default_backend()}); "
               "--interpret runs tiny shapes through the interpreter")
         return
-    from k3serve.kernels.gmm_mxfp4 import default_blocks, mxfp4_gmm, repack_halves
+    from k3serve.kernels.gmm_mxfp4 import default_blocks, mxfp4_gmm, repack_halves, tile_k
 
     rng = np.random.default_rng(0)
     E, K, N = a.experts, a.k, a.n
     tm = 8 if a.interpret else 128
     w = [(jnp.asarray(repack_halves(rng.integers(0, 256, (E, N, K // 2), dtype=np.uint8),
-                                    default_blocks(tm, K, N, tm)[1])),
+                                    tile_k(K))),
           jnp.asarray(rng.integers(120, 134, (E, N, K // 32), dtype=np.uint8))) for _ in range(2)]
     act = lambda g, u: jax.nn.silu(g) * u  # noqa: E731
     print(f"{'kernel':<14} {'M':>6} {'ms':>9} {'MB':>9} {'GFLOP':>9} {'HBM %':>7} {'MXU %':>7}")
@@ -66,7 +66,7 @@ def main() -> None:
         M = -(-M // tm) * tm
         sizes = np.bincount(rng.integers(0, E, M), minlength=E).astype(np.int32)
         x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
-        blocks = default_blocks(M, K, N, tm)
+        blocks = default_blocks(K, N, tm)
         touched = int((sizes > 0).sum())
         for name, fused in (("gmm", {}), ("gmm gate+up", {"up": w[1], "act": act})):
             nw = 2 if fused else 1

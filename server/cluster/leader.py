@@ -43,7 +43,6 @@ class LeaderDispatch(LocalDispatch):
         self._bye: set[int] = set()
         self._send_lock = threading.Lock()
         self._cv = threading.Condition()
-        self.frames_sent = 0
         for pid, sock in self.followers.items():
             sock.settimeout(timeout_s)
             threading.Thread(target=self._watch, args=(pid, sock), name=f"k3-watch-{pid}", daemon=True).start()
@@ -60,7 +59,6 @@ class LeaderDispatch(LocalDispatch):
                     sock.sendall(frame)
                 except OSError as e:
                     self._lose(pid, f"sending to it failed: {e!r}")
-            self.frames_sent += 1
 
     def _watch(self, pid: int, sock: socket.socket) -> None:
         while True:

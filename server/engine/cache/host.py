@@ -97,11 +97,6 @@ class HostTier:
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
 
-    def fits(self, key: bytes, nbytes: int) -> bool:
-        """Whether an entry of ``nbytes`` under ``key`` would be stored (it is not there yet
-        and fits the budget at all)."""
-        return key not in self._entries and nbytes <= self.max_bytes
-
     def put(self, key: bytes, entry: HostEntry) -> bool:
         if entry.nbytes > self.max_bytes:
             self._dropped(entry)
