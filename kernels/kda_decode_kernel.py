@@ -1,0 +1,435 @@
+"""KDA decode over batched rows as a Pallas TPU kernel (issue #15, kernel 2): for R decode rows
+(one token each) of one KDA layer, the conv-window update, SiLU, L2 norms, the forget gate,
+the delta step on the recurrent state and the gated output RMSNorm, in one ``pallas_call``;
+the state and the conv window are read from the row's read slot and written **in place** to
+its write slot (and to its snapshot slot when asked).
+
+Why: at K3 size a sequence's KDA state is 69 layers x 96 heads x 128 x 128 float32 (about
+6.3 MB per layer), read and written every decode step — the dominant HBM traffic of decode
+below ~32K context. The reference path gathers every layer's rows before the layer scan and
+scatters them back after; this kernel moves each row's state once per layer, straight
+between the pool and VMEM.
+
+Inputs (T tokens of the flattened step; row r's token is ``tok[r]``)::
+
+  qkv_raw  [T, 3P]  raw (pre-conv) q|k|v projections, P = H*d (any float dtype)
+  f        [T, P]   raw forget projection (before dt_bias)
+  beta     [T, H]   write strength (already sigmoided)
+  gate_out [T, P]   raw output gate (sigmoided here)
+  state_pool [L, S, H, d, d]   S[k, v] per layer and slot (float32), passed whole
+  conv_pool  [L, S, W-1, 3P]   last W-1 raw q|k|v projections, oldest first, passed whole
+  layer      scalar: which layer of the pools
+  tok, read_slot, write_slot, snap_slot, fresh [R]; n_dec scalar
+  conv_w [3P, W] (column W-1 multiplies the newest), A_log [H], dt_bias [P], o_norm [d]
+
+Per live row (``r < n_dec``): window = [conv_pool[layer, read_slot] (zeros if fresh) |
+qkv_raw[tok]] -> depthwise causal conv -> SiLU -> q, k, v per head; q L2-normalised times
+d^-1/2, k L2-normalised (eps 1e-6 inside the rsqrt); ``g = lower_bound * sigmoid(exp(A_log) *
+(f + dt_bias))`` (K3) or ``-exp(A_log) * softplus(f + dt_bias)`` (Kimi Linear, ``lower_bound
+None``); the delta step of ``kernels/kda.py::kda_decode_step`` on ``state_pool[layer,
+read_slot]`` (zeros if fresh); ``o = rms_normalize(o, eps) * o_norm * sigmoid(gate_out)``.
+The new state and window go to ``write_slot`` and, when ``0 <= snap_slot < S``, also to
+``snap_slot`` (a write slot outside ``[0, S)`` is dropped, as the engine's scatter does).
+Rows ``r >= n_dec`` are skipped: nothing read, nothing written, their ``o`` is zero.
+
+Grid ``(ceil(R / rows_per_tile), H / heads_per_block)``, both axes "parallel": a grid step
+owns ``rows_per_tile`` rows and ``heads_per_block`` heads, i.e. disjoint (slot, head-range)
+regions of both pools, so steps never depend on one another. Row tiles wholly past ``n_dec``
+do nothing (the grid is static; ``n_dec`` is traced). Metadata are scalar-prefetched into
+SMEM. All token and pool operands stay in HBM (``pl.ANY``) and are moved by manual DMA,
+since rows are ragged: per live row, its token's q/k/v/f/gate/beta columns of the head block,
+its conv window (3 DMAs, the q, k and v column ranges) and its state ``[hb, d, d]``. Within a
+step every read is started first; the small ones are awaited, the vector prologue (conv, SiLU,
+norms, gates) runs on the whole tile, the new conv windows are written out; then row by row
+the state is awaited, updated in place in VMEM head by head (a ``[d, d]`` tile at a time)
+and its write DMA started, so a row's update overlaps the DMAs of the others. Every write is
+awaited before the step ends. Nothing is reshaped or bitcast as a ref: the VMEM scratch is
+declared in its final shapes and only values are reshaped (TPU interpret mode rejects ref
+reshapes).
+
+Aliasing assumption (the engine's): among the live rows, write slots and snapshot slots are
+pairwise distinct, and no row reads a slot another row writes (a row may read and write its
+own slot — the usual case — and a prefix hit reads a snapshot slot and writes its own slot).
+Reads then see the pools as they were before the call, whatever the order of the grid steps.
+If a row read a slot another row writes, it could see the old state, the new one or a mix
+(another tile's step may have written it already; within a tile the read and the other row's
+write can be in flight together — the interpreter's race detector reports that), and
+duplicate written slots keep one writer's data, unspecified (the reference's XLA scatter has
+the same caveat).
+
+Cost per call, with R' = live rows, F = fresh ones among them, N = rows with a snapshot,
+H heads of width d, P = H*d, W the conv width, ``isz`` the token inputs' itemsize::
+
+  HBM bytes ≈ 4·H·d²·((R' - F) + R' + N)        state: read, write, snapshot
+            + 4·(W-1)·3P·((R' - F) + R' + N)    conv window: same
+            + R'·(6P + H)·isz                    the token's q|k|v, f, gate_out, beta
+            + 4·R·H·d                            o
+  FLOPs ≈ R'·(7·H·d² + 2·3P·W + ~30·P)          delta step (decay, two reductions, rank-1
+                                                 update), conv, norms and gates
+
+so at K3 size (H=96, d=128, W=4) a non-fresh row without a snapshot moves 12.6 MB of state
+and 0.9 MB of conv window for ~11 MFLOP: under 1 FLOP per byte, bandwidth-bound on any TPU.
+VMEM per step ≈ 4·rt·hb·d² (state) + 8·rt·3·(W-1)·hb·d (windows read and written) + the
+column buffer ``[3, hb, d, rt]`` (rt on lanes, padded to 128) + small; 8 rows x 8 heads at
+d = 128: 4 MiB + 0.6 MiB + 1.5 MiB.
+
+Status: proven in TPU interpret mode on the CPU (tests/test_kda_decode_kernel.py); the Mosaic
+lowering (tiling of the row DMAs and of the column loads) is not yet compiled on a TPU.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .kda import kda_decode_step
+from .kda_ragged import ragged_causal_conv
+
+F32 = jnp.float32
+I32 = jnp.int32
+L2_EPS = 1e-6  # as model/kda.py::l2_normalize
+
+# semaphore columns per row: reads (q, k, v parts, f, gate_out, beta, conv q/k/v, state)
+_IN_QKV, _IN_F, _IN_GO, _IN_B, _IN_CONV, _IN_STATE, _N_IN = 0, 3, 4, 5, 6, 9, 10
+# writes (conv q/k/v to write slot, to snapshot slot, state to write slot, to snapshot slot)
+_OUT_CONV, _OUT_CONV_SNAP, _OUT_STATE, _OUT_STATE_SNAP, _N_OUT = 0, 3, 6, 7, 8
+
+
+def _l2_normalize(x):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def _rms_normalize(x, eps):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _softplus(x):
+    return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
+def _log_decay(f, a, dt_bias, lower_bound):
+    """Per-channel log-decay from the raw forget projection; ``a = exp(A_log)`` broadcast per
+    channel. Static choice of K3's bounded gate or Kimi Linear's softplus gate."""
+    x = f + dt_bias
+    if lower_bound is None:
+        return -a * _softplus(x)
+    return lower_bound * jax.nn.sigmoid(a * x)
+
+
+def _kernel(tok_ref, rd_ref, wr_ref, sn_ref, fr_ref, n_ref, layer_ref,
+            cw_ref, a_ref, dtb_ref, on_ref,
+            qkv_hbm, f_hbm, beta_hbm, go_hbm, state_hbm, conv_hbm,
+            o_ref, state_out, conv_out,
+            x_buf, f_buf, go_buf, b_buf, win_buf, cnew_buf, s_buf, cols_buf, rows_buf, o_buf, sem_in, sem_out,
+            *, rt, hb, d, P, Wm1, num_slots, lower_bound, eps):
+    i, h = pl.program_id(0), pl.program_id(1)
+    C = hb * d
+    col0 = h * C  # first channel of this head block within a q/k/v part
+    layer = layer_ref[0]
+    n_dec = n_ref[0]
+
+    def row(j):
+        r = i * rt + j
+        live = r < n_dec
+        fresh = fr_ref[r] != 0
+        w, s = wr_ref[r], sn_ref[r]
+        return dict(r=r, live=live, load=live & jnp.logical_not(fresh), fresh=live & fresh,
+                    write=live & (w >= 0) & (w < num_slots), snap=live & (s >= 0) & (s < num_slots),
+                    tok=tok_ref[r], rd=rd_ref[r], wr=w, sn=s)
+
+    rows = [row(j) for j in range(rt)]
+
+    # ---- reads: descriptors (rebuilt identically for the waits)
+    def token_copies(j, m):
+        t = pl.ds(m["tok"], 1)
+        cps = [pltpu.make_async_copy(qkv_hbm.at[t, pl.ds(p * P + col0, C)], x_buf.at[p, pl.ds(j, 1)],
+                                     sem_in.at[j, _IN_QKV + p]) for p in range(3)]
+        cps.append(pltpu.make_async_copy(f_hbm.at[t, pl.ds(col0, C)], f_buf.at[pl.ds(j, 1)], sem_in.at[j, _IN_F]))
+        cps.append(pltpu.make_async_copy(go_hbm.at[t, pl.ds(col0, C)], go_buf.at[pl.ds(j, 1)], sem_in.at[j, _IN_GO]))
+        cps.append(pltpu.make_async_copy(beta_hbm.at[h, t], b_buf.at[pl.ds(j, 1)], sem_in.at[j, _IN_B]))
+        return cps
+
+    def conv_in_copies(j, slot):
+        return [pltpu.make_async_copy(conv_hbm.at[layer, slot, :, pl.ds(p * P + col0, C)], win_buf.at[j, p],
+                                      sem_in.at[j, _IN_CONV + p]) for p in range(3)]
+
+    def conv_out_copies(j, slot, k0):
+        return [pltpu.make_async_copy(cnew_buf.at[j, p], conv_out.at[layer, slot, :, pl.ds(p * P + col0, C)],
+                                      sem_out.at[j, k0 + p]) for p in range(3)]
+
+    def state_in(j, m):
+        return pltpu.make_async_copy(state_hbm.at[layer, m["rd"], pl.ds(h * hb, hb)], s_buf.at[j],
+                                     sem_in.at[j, _IN_STATE])
+
+    def state_out_copy(j, slot, k):
+        return pltpu.make_async_copy(s_buf.at[j], state_out.at[layer, slot, pl.ds(h * hb, hb)], sem_out.at[j, k])
+
+    tile_live = i * rt < n_dec
+
+    @pl.when(tile_live)
+    def _():
+        # small reads first (needed first), then the states
+        for j, m in enumerate(rows):
+            @pl.when(m["live"])
+            def _():
+                for cp in token_copies(j, m):
+                    cp.start()
+
+            @pl.when(m["load"])
+            def _():
+                for cp in conv_in_copies(j, m["rd"]):
+                    cp.start()
+
+            @pl.when(m["fresh"])
+            def _():
+                win_buf[j] = jnp.zeros(win_buf.shape[1:], win_buf.dtype)
+
+        for j, m in enumerate(rows):
+            @pl.when(m["load"])
+            def _():
+                state_in(j, m).start()
+
+        for j, m in enumerate(rows):
+            @pl.when(m["live"])
+            def _():
+                for cp in token_copies(j, m):
+                    cp.wait()
+
+            @pl.when(m["load"])
+            def _():
+                for cp in conv_in_copies(j, m["rd"]):
+                    cp.wait()
+
+        # ---- vector prologue on the whole tile (rows that are not live compute garbage that
+        # is never stored: their o is masked and their pools are not written)
+        cw = cw_ref[...].astype(F32)  # [3, W, C]
+        ys = []
+        for p in range(3):
+            x = x_buf[p].astype(F32)  # [rt, C]
+            win = win_buf[:, p].astype(F32)  # [rt, W-1, C]
+            y = x * cw[p, Wm1:Wm1 + 1]
+            for t in range(Wm1):
+                y = y + win[:, t] * cw[p, t:t + 1]
+            ys.append(y * jax.nn.sigmoid(y))  # SiLU
+            # new window: drop the oldest, append this token
+            if Wm1 > 1:
+                cnew_buf[:, p, pl.ds(0, Wm1 - 1)] = win_buf[:, p, pl.ds(1, Wm1 - 1)]
+            cnew_buf[:, p, Wm1 - 1] = x.astype(cnew_buf.dtype)
+
+        # the new windows can leave now
+        for j, m in enumerate(rows):
+            @pl.when(m["write"])
+            def _():
+                for cp in conv_out_copies(j, m["wr"], _OUT_CONV):
+                    cp.start()
+
+            @pl.when(m["snap"])
+            def _():
+                for cp in conv_out_copies(j, m["sn"], _OUT_CONV_SNAP):
+                    cp.start()
+
+        q = _l2_normalize(ys[0].reshape(rt, hb, d)) * (d ** -0.5)
+        k = _l2_normalize(ys[1].reshape(rt, hb, d))
+        v = ys[2].reshape(rt, hb, d)
+        g = _log_decay(f_buf[...].astype(F32), a_ref[...], dtb_ref[...], lower_bound)  # [rt, C]
+        eg = jnp.exp(g)
+        bv = jnp.broadcast_to(b_buf[...].astype(F32)[:, :, None], (rt, hb, d))
+        # q, k, e^g as columns (the state's k axis is its second-minor one): one transpose per tile
+        for c, val in enumerate((q.reshape(rt, C), k.reshape(rt, C), eg)):
+            cols_buf[c] = val.T.reshape(hb, d, rt)
+        rows_buf[0] = v
+        rows_buf[1] = bv
+
+        # ---- the delta step, row by row, head by head; each row's state leaves when done
+        for j, m in enumerate(rows):
+            @pl.when(m["load"])
+            def _():
+                state_in(j, m).wait()
+
+            @pl.when(m["fresh"])
+            def _():
+                s_buf[j] = jnp.zeros(s_buf.shape[1:], s_buf.dtype)
+
+            @pl.when(m["live"])
+            def _():
+                for hh in range(hb):
+                    S = s_buf[j, hh].astype(F32)  # [d(k), d(v)]
+                    qc = cols_buf[0, hh, :, pl.ds(j, 1)]  # [d, 1]
+                    kc = cols_buf[1, hh, :, pl.ds(j, 1)]
+                    egc = cols_buf[2, hh, :, pl.ds(j, 1)]
+                    vr = rows_buf[0, j, pl.ds(hh, 1), :]  # [1, d]
+                    br = rows_buf[1, j, pl.ds(hh, 1), :]
+                    Sd = S * egc
+                    pred = jnp.sum(kc * Sd, axis=0, keepdims=True)
+                    oq = jnp.sum(qc * Sd, axis=0, keepdims=True)
+                    delta = (vr - pred) * br
+                    o_buf[j, pl.ds(hh, 1), :] = oq + jnp.sum(qc * kc, axis=0, keepdims=True) * delta
+                    s_buf[j, hh] = (Sd + kc * delta).astype(s_buf.dtype)
+
+            @pl.when(m["write"])
+            def _():
+                state_out_copy(j, m["wr"], _OUT_STATE).start()
+
+            @pl.when(m["snap"])
+            def _():
+                state_out_copy(j, m["sn"], _OUT_STATE_SNAP).start()
+
+        # ---- gated output norm on the tile
+        o = o_buf[...]  # [rt, hb, d]
+        gate = jax.nn.sigmoid(go_buf[...].astype(F32)).reshape(rt, hb, d)
+        o = _rms_normalize(o, eps) * on_ref[...] * gate
+        live = (i * rt + jax.lax.broadcasted_iota(I32, (rt, 1, 1), 0)) < n_dec
+        o_ref[...] = jnp.where(live, o, 0.0)
+
+        # ---- every write lands before the step ends
+        for j, m in enumerate(rows):
+            @pl.when(m["write"])
+            def _():
+                for cp in conv_out_copies(j, m["wr"], _OUT_CONV):
+                    cp.wait()
+                state_out_copy(j, m["wr"], _OUT_STATE).wait()
+
+            @pl.when(m["snap"])
+            def _():
+                for cp in conv_out_copies(j, m["sn"], _OUT_CONV_SNAP):
+                    cp.wait()
+                state_out_copy(j, m["sn"], _OUT_STATE_SNAP).wait()
+
+    @pl.when(jnp.logical_not(tile_live))
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
+def _check(qkv_raw, f, beta, gate_out, state_pool, conv_pool, tok, conv_w, A_log, dt_bias, o_norm):
+    T, P3 = qkv_raw.shape
+    L, S, H, d, dv = state_pool.shape
+    P = H * d
+    W = conv_w.shape[1]
+    want = {"qkv_raw": (qkv_raw.shape, (T, 3 * P)), "f": (f.shape, (T, P)), "beta": (beta.shape, (T, H)),
+            "gate_out": (gate_out.shape, (T, P)), "conv_pool": (conv_pool.shape, (L, S, W - 1, 3 * P)),
+            "conv_w": (conv_w.shape, (3 * P, W)), "A_log": (A_log.shape, (H,)), "dt_bias": (dt_bias.shape, (P,)),
+            "o_norm": (o_norm.shape, (d,)), "state_pool": ((dv,), (d,))}
+    bad = [f"{k} {got} (want {exp})" for k, (got, exp) in want.items() if tuple(got) != tuple(exp)]
+    if bad or W < 2 or tok.ndim != 1:
+        raise ValueError("kda_decode: shapes do not match: " + "; ".join(bad or [f"W={W}, tok {tok.shape}"]))
+    return T, L, S, H, d, P, W
+
+
+@functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "blocks", "interpret"))
+def kda_decode(qkv_raw, f, beta, gate_out, state_pool, conv_pool, layer, tok, read_slot, write_slot, snap_slot,
+               fresh, n_dec, conv_w, A_log, dt_bias, o_norm, *, lower_bound: float | None = -5.0, eps: float = 1e-5,
+               blocks: tuple[int, int] = (8, 8), interpret=None):
+    """One decode token for each of R rows of one KDA layer (module docstring: layout, math,
+    grid, aliasing assumption, cost). Returns ``(o [R, H, d] float32 after the gated norm,
+    state_pool, conv_pool)`` with the pools updated in place (aliased; donate them at the
+    outermost jit or XLA keeps a copy of the caller's arrays).
+
+    ``blocks = (rows_per_tile, heads_per_block)``; heads_per_block must divide H, R needs no
+    relation to rows_per_tile. On a TPU, tiles want ``heads_per_block * d`` a multiple of 128
+    and ``heads_per_block`` a multiple of 8 (or H). ``lower_bound``: K3's gate bound (static);
+    None selects Kimi Linear's softplus gate. ``eps``: the output RMSNorm's. ``interpret``:
+    None (compile for TPU), True or a ``pltpu.InterpretParams`` (CPU tests)."""
+    T, L, S, H, d, P, W = _check(qkv_raw, f, beta, gate_out, state_pool, conv_pool, tok, conv_w, A_log, dt_bias,
+                                 o_norm)
+    rt, hb = blocks
+    if rt < 1 or hb < 1 or H % hb:
+        raise ValueError(f"blocks {blocks}: heads_per_block must divide H={H}")
+    R = tok.shape[0]
+    nt = -(-R // rt)
+    Rp = nt * rt
+    C = hb * d
+
+    def meta(a, fill):
+        return jnp.pad(jnp.asarray(a).astype(I32), (0, Rp - R), constant_values=fill)
+
+    scalars = (meta(jnp.clip(tok, 0, T - 1), 0), meta(jnp.clip(read_slot, 0, S - 1), 0), meta(write_slot, -1),
+               meta(snap_slot, -1), meta(fresh, 1), jnp.clip(jnp.asarray(n_dec, I32), 0, R).reshape(1),
+               jnp.asarray(layer, I32).reshape(1))
+    # per-layer parameters, laid out channel-last (tiny)
+    cw = conv_w.astype(F32).reshape(3, P, W).transpose(0, 2, 1)  # [3, W, P]
+    a = jnp.repeat(jnp.exp(A_log.astype(F32)), d).reshape(1, P)
+    dtb = dt_bias.astype(F32).reshape(1, P)
+    on = o_norm.astype(F32).reshape(1, d)
+    # beta by head block [H/hb, T, hb], so a row's DMA spans whole minor rows (tiny)
+    beta_b = beta.reshape(T, H // hb, hb).transpose(1, 0, 2)
+
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(scalars), grid=(nt, H // hb),
+        in_specs=[pl.BlockSpec((3, W, C), lambda i, h, *_: (0, 0, h)),
+                  pl.BlockSpec((1, C), lambda i, h, *_: (0, h)),
+                  pl.BlockSpec((1, C), lambda i, h, *_: (0, h)),
+                  pl.BlockSpec((1, d), lambda i, h, *_: (0, 0)),
+                  *[any_spec] * 6],
+        out_specs=[pl.BlockSpec((rt, hb, d), lambda i, h, *_: (i, h, 0)), any_spec, any_spec],
+        scratch_shapes=[pltpu.VMEM((3, rt, C), qkv_raw.dtype),
+                        pltpu.VMEM((rt, C), f.dtype),
+                        pltpu.VMEM((rt, C), gate_out.dtype),
+                        pltpu.VMEM((rt, hb), beta.dtype),
+                        pltpu.VMEM((rt, 3, W - 1, C), conv_pool.dtype),  # windows read
+                        pltpu.VMEM((rt, 3, W - 1, C), conv_pool.dtype),  # windows written
+                        pltpu.VMEM((rt, hb, d, d), state_pool.dtype),  # states, updated in place
+                        pltpu.VMEM((3, hb, d, rt), F32),  # q, k, e^g as columns
+                        pltpu.VMEM((2, rt, hb, d), F32),  # v, beta as rows
+                        pltpu.VMEM((rt, hb, d), F32),  # o before the norm
+                        pltpu.SemaphoreType.DMA((rt, _N_IN)),
+                        pltpu.SemaphoreType.DMA((rt, _N_OUT))])
+    n_pre = len(scalars) + 4  # operands before the HBM ones
+    o, state_pool, conv_pool = pl.pallas_call(
+        functools.partial(_kernel, rt=rt, hb=hb, d=d, P=P, Wm1=W - 1, num_slots=S, lower_bound=lower_bound, eps=eps),
+        grid_spec=spec,
+        out_shape=[jax.ShapeDtypeStruct((Rp, H, d), F32), jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype),
+                   jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)],
+        input_output_aliases={n_pre + 4: 1, n_pre + 5: 2},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret,
+    )(*scalars, cw, a, dtb, on, qkv_raw, f, beta_b, gate_out, state_pool, conv_pool)
+    return o[:R], state_pool, conv_pool
+
+
+@functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "blocks", "interpret"))
+def kda_decode_reference(qkv_raw, f, beta, gate_out, state_pool, conv_pool, layer, tok, read_slot, write_slot,
+                         snap_slot, fresh, n_dec, conv_w, A_log, dt_bias, o_norm, *, lower_bound: float | None = -5.0,
+                         eps: float = 1e-5, blocks=None, interpret=None):
+    """:func:`kda_decode` in pure JAX (the oracle and the CPU path), same signature and result;
+    ``blocks`` and ``interpret`` are ignored. Built from the existing references: the rows'
+    windows through ``ragged_causal_conv`` (one token per row), ``kda_decode_step``, and the
+    L2 / RMS norms and gates of ``model/kda.py``; pools updated by scatter (write slots, then
+    snapshot slots)."""
+    del blocks, interpret
+    T, L, S, H, d, P, W = _check(qkv_raw, f, beta, gate_out, state_pool, conv_pool, tok, conv_w, A_log, dt_bias,
+                                 o_norm)
+    R = tok.shape[0]
+    live = jnp.arange(R) < n_dec
+    fr = jnp.asarray(fresh).astype(bool)
+    rd = jnp.clip(read_slot, 0, S - 1)
+    t = jnp.clip(tok, 0, T - 1)
+    conv_rows = jnp.where(fr[:, None, None], 0.0, conv_pool[layer, rd].astype(F32))
+    state_rows = jnp.where(fr[:, None, None, None], 0.0, state_pool[layer, rd].astype(F32))
+    rows = jnp.arange(R, dtype=I32)
+    none = jnp.zeros((0,), I32)
+    y, new_conv, _ = ragged_causal_conv(qkv_raw[t], conv_rows, conv_w, rows, jnp.arange(R + 1, dtype=I32),
+                                        jnp.ones((R,), I32), none, none)
+    y = jax.nn.silu(y)
+    q, k, v = (y[:, c * P:(c + 1) * P].reshape(R, H, d) for c in range(3))
+    q = _l2_normalize(q) * (d ** -0.5)
+    k = _l2_normalize(k)
+    fx = f[t].astype(F32).reshape(R, H, d) + dt_bias.astype(F32).reshape(H, d)
+    a = jnp.exp(A_log.astype(F32))[:, None]
+    g = -a * jax.nn.softplus(fx) if lower_bound is None else lower_bound * jax.nn.sigmoid(a * fx)
+    o, new_state = kda_decode_step(q, k, v, g, beta[t].astype(F32), state_rows)
+    gate = jax.nn.sigmoid(gate_out[t].astype(F32).reshape(R, H, d))
+    o = _rms_normalize(o, eps) * o_norm.astype(F32) * gate
+    o = jnp.where(live[:, None, None], o, 0.0)
+
+    def target(slot):
+        return jnp.where(live & (slot >= 0) & (slot < S), slot, S)  # S: dropped
+
+    for slot in (write_slot, snap_slot):
+        idx = target(jnp.asarray(slot, I32))
+        state_pool = state_pool.at[layer, idx].set(new_state.astype(state_pool.dtype), mode="drop")
+        conv_pool = conv_pool.at[layer, idx].set(new_conv.astype(conv_pool.dtype), mode="drop")
+    return o, state_pool, conv_pool

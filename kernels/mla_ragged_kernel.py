@@ -1,0 +1,438 @@
+"""Ragged paged MLA attention as a Pallas TPU kernel (issue #15, kernel 3).
+
+Same semantics as ``write_kv_rows`` followed by ``mla_ragged_attention(..., layer=layer,
+return_lse=True)`` (``kernels/mla_ragged.py``, the oracle): this step's new ``[latent | rope]``
+cache rows are written into their pages first, then every real token attends, in the absorbed
+form, to the keys of its row at positions ``kpos <= pos[t]`` and ``kpos < kv_lens[row]``, with
+``kpos = ordinal * page_size + offset`` (``page_ordinals`` for decode context parallelism; a
+column whose page id is out of range is skipped). The softmax runs online in float32 over kv
+blocks of ``kv_pages_per_block`` pages; the output is ``out_lat [T, H, Lat]`` float32 and the
+exact log-sum-exp ``lse [T, H]`` that ``kernels/mla.py::merge_partials`` needs. Padding tokens
+(``tok_row >= R``) get zeros and ``-inf`` and write nothing; rows with ``q_len == 0`` are skipped.
+
+Layout. One flattened step of ``T`` tokens and ``R`` rows (see ``kernels/mla_ragged.py``). The
+pool ``kv_pool [L, pages, page_size, W]`` is passed whole with a ``layer`` index (never a
+per-layer slice), stays in HBM (``memory_space=ANY``) and is aliased in and out; ``W`` may pad
+the row beyond ``Lat + Rr`` (only the first ``Lat + Rr`` lanes are read; ``new_rows`` is ``[T,
+W]``, written whole). The reference itself needs ``W == Lat + Rr``.
+
+Grid (static, one "arbitrary" axis, so steps run in order on one core):
+``ceil(R / rows)`` decode tiles, then ``(T + min(R, T//2) * (q_block - 1)) // q_block`` query
+blocks (a bound on ``sum_r ceil(q_len_r / q_block)`` over rows with ``q_len >= 2``). Work lists
+are built in-graph by the wrapper and scalar-prefetched into SMEM together with the page table,
+ordinals, ``kv_lens``, ``cu_q_lens``, ``tok_row``, ``pos`` and the layer; steps past the real
+tiles/blocks do nothing (``pl.when`` on the prefetched counts).
+
+* **Write first.** Grid step 0 starts one HBM->HBM DMA per token that has a page (``new_rows[t]``
+  -> ``pool[layer, page_table[row, pos // ps], pos % ps]``; padding tokens, columns past the
+  table and out-of-range page ids write nothing; two tokens aimed at one slot are undefined, as
+  in the reference's scatter), then waits on all of them before anything is read, so every later
+  read (this step's own rows, and other rows' if tables overlap) sees the written pool, as in the
+  reference's write-then-attend order. Reads and writes both go through the *output* pool ref:
+  with ``input_output_aliases`` it is the input's buffer (in interpret mode too: a read through
+  the input ref sees the writes), so the kernel itself copies nothing; XLA copies the pool only
+  if the caller's buffer is not donated (jit with the pool donated, or a scan carry, to update
+  it in place).
+* **Decode tiles** (``q_len == 1``): ``rows`` decode rows per grid step. Their queries are DMA'd
+  by token; each kv block DMAs, per row, only the pages that row needs (present, first key
+  ``< kv_len`` and ``<= pos``) into a double-buffered VMEM tile ``[2, rows, bp * ps, W]``, and
+  the next block's pages are in flight while the current one is multiplied. The loop runs to
+  the tile's largest block count; keys a row does not need (pages not fetched, masked
+  positions) are zeroed before the matmuls and masked to ``-inf`` in the scores, so stale or
+  uninitialised VMEM never reaches the output.
+* **Query blocks** (``q_len >= 2``): ``q_block`` queries of one row per step (a row's last block
+  may be short), read as one window of the token axis (clamped into ``[0, T)``; queries outside
+  the row are masked); kv blocks as above, up to the block's last query position (causal).
+* Outputs are DMA'd per token into the HBM outputs, which are aliased to a zeros / ``-inf``
+  initialisation (that fill is what padding tokens keep).
+
+Cost per call (``H`` heads, ``D = Lat + Rr``, ``K_r`` the keys row r's queries can reach, rounded
+up to pages, itemsize ``b`` of the pool): HBM bytes ≈ ``sum_decode K_r * W * b`` + ``sum_blocks
+K_block * W * b`` (a prefill row's pages are read once per query block) + new rows ``2 * T * W *
+b`` (read + write) + queries ``T * H * D * q_itemsize`` + outputs and their init fill ``2 * T * H
+* (Lat + 1) * 4``. FLOPs ≈ ``2 * H * (D + Lat) * (sum_decode K_r + q_block * sum_blocks
+K_block)`` (scores and the latent output; masked keys inside a fetched page are multiplied too),
+plus the softmax's ``O(H * keys)`` exp.
+
+DMA copies are issued from loops (one copy site per kind: the interpreter's program, and its
+compile time, grow with every site). Tiles: ``blocks = (rows, q_block, kv_pages_per_block)``,
+clamped to R, T and P. VMEM ≈ ``2 * rows * bp * ps * W * b`` (kv) + ``max(rows, q_block) * H *
+(D + Lat + 1) * 4`` (queries, outputs) + live scores ``max(rows, q_block) * H * bp * ps * 4``
+and accumulator ``... * H * Lat * 4``. Only interpret mode has run it: Mosaic's lowering
+(layouts of the small DMAs, the ``[q_block, H, Lat] -> [q_block * H, Lat]`` value reshape,
+``vmem_limit_bytes``) and the block sizes are still to be checked and tuned on a TPU.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+DEFAULT_BLOCKS = (8, 32, 4)  # (decode rows per step, queries per block, kv pages per block)
+
+_KV0, _KV1, _QSEM, _OSEM, _WSEM = range(5)  # DMA semaphores
+_PREC = jax.lax.Precision.HIGHEST  # f32 matmuls in full f32 on the MXU (the reference's precision)
+
+
+def grid_bounds(T: int, R: int, blocks) -> tuple[int, int]:
+    """Static ``(ND, NQ)``: decode tiles ``ceil(R / rows)`` and query blocks
+    ``(T + min(R, T // 2) * (q_block - 1)) // q_block`` (at least 1), which bound
+    ``sum_r ceil(q_len_r / q_block)`` over the rows with ``q_len >= 2`` (at most ``min(R, T // 2)``
+    of them, their q_lens summing to at most T)."""
+    B, QB = blocks[0], blocks[1]
+    return -(-R // B), max(1, (T + min(R, T // 2) * (QB - 1)) // QB)
+
+
+def work_lists(page_table, kv_lens, cu_q_lens, q_lens, pos, ords, num_pages, page_size, blocks):
+    """In-graph work lists (what the kernel prefetches), from the step's metadata.
+
+    Returns a dict: ``dec_rows [ND * rows]`` (decode rows in row order, then ``R``),
+    ``dec_nblk [ND]`` (kv blocks each decode tile runs), ``qb_row / qb_tok0 / qb_len / qb_nblk /
+    qb_maxpos [NQ]`` (query blocks of the rows with ``q_len >= 2``, in row order) and ``counts``
+    ``[2]`` = (decode tiles, query blocks) in use; ``ND, NQ`` from :func:`grid_bounds`."""
+    R, P = page_table.shape
+    T = pos.shape[0]
+    B, QB, bp = blocks
+    ND, NQ = grid_bounds(T, R, blocks)
+    i32 = jnp.int32
+    present = (page_table >= 0) & (page_table < num_pages)
+    first_kpos = ords * page_size
+    col_blk = jnp.arange(P, dtype=i32) // bp + 1
+
+    def nblk_for(rows, maxpos):
+        need = present[rows] & (first_kpos[rows] < kv_lens[rows, None]) & (first_kpos[rows] <= maxpos[:, None])
+        return jnp.max(jnp.where(need, col_blk[None], 0), axis=1).astype(i32)
+
+    # decode rows, batched B per tile
+    dec = q_lens == 1
+    n_dec = jnp.sum(dec.astype(i32))
+    order = jnp.argsort(jnp.logical_not(dec), stable=True).astype(i32)
+    ridx = jnp.arange(ND * B, dtype=i32)
+    dec_rows = jnp.where(ridx < n_dec, jnp.pad(order, (0, ND * B - R)), R).astype(i32)
+    rc = jnp.minimum(dec_rows, R - 1)
+    dpos = pos[jnp.clip(cu_q_lens[rc], 0, T - 1)]
+    dnb = jnp.where(dec_rows < R, nblk_for(rc, dpos), 0)
+    dec_nblk = jnp.max(dnb.reshape(ND, B), axis=1)
+
+    # query blocks of the rows with q_len >= 2
+    pre = q_lens >= 2
+    nb = jnp.where(pre, -(-q_lens // QB), 0)
+    cu_b = jnp.cumsum(nb)
+    n_qb = cu_b[-1]
+    k = jnp.arange(NQ, dtype=i32)
+    row = jnp.clip(jnp.searchsorted(cu_b, k, side="right"), 0, R - 1).astype(i32)
+    local = k - (cu_b[row] - nb[row])
+    use = k < n_qb
+    tok0 = jnp.where(use, cu_q_lens[row] + QB * local, 0).astype(i32)
+    qlen = jnp.where(use, jnp.clip(q_lens[row] - QB * local, 0, QB), 0).astype(i32)
+    win = tok0[:, None] + jnp.arange(QB, dtype=i32)[None]
+    maxpos = jnp.max(jnp.where(jnp.arange(QB)[None] < qlen[:, None], pos[jnp.clip(win, 0, T - 1)], -1), axis=1)
+    qb_nblk = jnp.where(use, nblk_for(row, maxpos), 0).astype(i32)
+    counts = jnp.stack([-(-n_dec // B), n_qb]).astype(i32)
+    return dict(dec_rows=dec_rows, dec_nblk=dec_nblk.astype(i32), qb_row=row, qb_tok0=tok0, qb_len=qlen,
+                qb_nblk=qb_nblk, qb_maxpos=maxpos.astype(i32), counts=counts)
+
+
+def _online(state, s, c, pv_dims):
+    """One online-softmax step; ``s`` masked scores (-inf where masked), ``c`` the block's
+    (masked-to-zero) latent rows, contracted with the probabilities by ``pv_dims``."""
+    m, l, acc = state
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s - m_safe[..., None])
+    l = alpha * l + jnp.sum(p, axis=-1)
+    pv = jax.lax.dot_general(p, c, pv_dims, preferred_element_type=jnp.float32, precision=_PREC)
+    return m_new, l, alpha[..., None] * acc + pv
+
+
+def _finish(state):
+    m, l, acc = state
+    has = l > 0
+    out = acc / jnp.where(has, l, 1.0)[..., None]
+    m_safe = jnp.where(m > -jnp.inf, m, 0.0)
+    return out, jnp.where(has, m_safe + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+
+
+def _kernel(meta, table, ords, kv_lens, cu, tok_row, pos, dec_rows, dec_nblk, qb_row, qb_tok0, qb_len, qb_nblk,
+            qb_maxpos, *refs, T, R, P, H, Lat, Rr, NP, ps, B, QB, bp, ND, scale, has_rows):
+    if has_rows:
+        (q_lat, q_rope, pos2d, rows, _pool_in, _out_in, _lse_in, out, lse, pool,
+         kvbuf, qlb, qrb, qposb, ob, lb, sem) = refs
+    else:
+        (q_lat, q_rope, pos2d, _pool_in, _out_in, _lse_in, out, lse, pool,
+         kvbuf, qlb, qrb, qposb, ob, lb, sem) = refs
+        rows = None
+    g = pl.program_id(0)
+    layer = meta[0]
+    S = bp * ps
+    f32 = jnp.float32
+
+    def run_all(descs, op):
+        for ok, d in descs:
+            if ok is True:
+                getattr(d, op)()
+            else:
+                pl.when(ok)(getattr(d, op))
+
+    def dma_loop(n, make, op):
+        """``make(i) -> [(cond, desc)]``: start (or wait on) each for i in [0, n), in a loop (one
+        copy site, not n: the interpreter's program grows with every site)."""
+        def body(i, c):
+            run_all(make(i), op)
+            return c
+        jax.lax.fori_loop(0, n, body, 0)
+
+    # ---- 1. this step's rows into their pages, all landed before any read
+    if has_rows:
+        def write_desc(t):
+            r, p = tok_row[t], pos[t]
+            col = p // ps
+            pid = table[jnp.clip(r, 0, R - 1) * P + jnp.clip(col, 0, P - 1)]
+            ok = (r >= 0) & (r < R) & (p >= 0) & (col < P) & (pid >= 0) & (pid < NP)
+            d = pltpu.make_async_copy(rows.at[t], pool.at[layer, jnp.clip(pid, 0, NP - 1), p % ps], sem.at[_WSEM])
+            return [(ok, d)]
+
+        @pl.when(g == 0)
+        def _():
+            dma_loop(T, write_desc, "start")
+            dma_loop(T, write_desc, "wait")
+
+    def attend(nblk, n_pages, page_copy, compute, init):
+        """Double-buffered loop over ``nblk`` kv blocks: block b+1's pages fly while b is used.
+        ``page_copy(b, slot, idx) -> [(cond, desc)]`` for the ``n_pages`` page copies of a block;
+        ``compute(state, slot, b)`` -> state."""
+        @pl.when(nblk > 0)
+        def _():
+            dma_loop(n_pages, functools.partial(page_copy, 0, 0), "start")
+
+        def body(b, state):
+            slot = b % 2
+
+            @pl.when(b + 1 < nblk)
+            def _():
+                dma_loop(n_pages, functools.partial(page_copy, b + 1, 1 - slot), "start")
+
+            dma_loop(n_pages, functools.partial(page_copy, b, slot), "wait")
+            return compute(state, slot, b)
+
+        return jax.lax.fori_loop(0, nblk, body, init)
+
+    def page_need(r, j, kvl, maxpos):
+        """(needed, ordinal, page id) of table column j of row r (scalars from SMEM)."""
+        jc = jnp.minimum(j, P - 1)
+        pid = table[r * P + jc]
+        o = ords[r * P + jc]
+        need = (j < P) & (pid >= 0) & (pid < NP) & (o * ps < kvl) & (o * ps <= maxpos)
+        return need, o, jnp.clip(pid, 0, NP - 1)
+
+    def kv_copy(pid, slot, i, k):
+        return pltpu.make_async_copy(pool.at[layer, pid], kvbuf.at[slot, i, pl.ds(k * ps, ps)],
+                                     sem.at[_KV0 + slot])
+
+    def key_table(n, page, shape):
+        """``(page_ok, first key position)`` per key of a block, ``shape`` = (rows, S): ``page(idx)
+        -> (row, k, needed, ordinal)`` for idx in [0, n) fills row ``row``'s keys of page k."""
+        rowi = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+        keyp = jax.lax.broadcasted_iota(jnp.int32, shape, 1) // ps
+
+        def body(idx, c):
+            ok, base = c
+            i, k, need, o = page(idx)
+            sel = (rowi == i) & (keyp == k)
+            return jnp.where(sel, need, ok), jnp.where(sel, o * ps, base)
+
+        return jax.lax.fori_loop(0, n, body, (jnp.zeros(shape, jnp.bool_), jnp.zeros(shape, jnp.int32)))
+
+    def split_kv(kv, kvalid):
+        kv = jnp.where(kvalid[..., None], kv.astype(f32), 0.0)  # unfetched / masked keys -> 0
+        return kv[..., :Lat], kv[..., Lat:Lat + Rr]
+
+    # ---- 2. decode tiles: B rows of one query each
+    @pl.when(g < meta[1])
+    def _():
+        def drow(i):
+            """(valid, row, token, query position, kv_len) of the tile's i-th row."""
+            r = dec_rows[g * B + i]
+            rc = jnp.minimum(r, R - 1)
+            tok = jnp.clip(cu[rc], 0, T - 1)
+            return r < R, rc, tok, pos[tok], kv_lens[rc]
+
+        def q_copies(i):
+            ok, _, tok, _, _ = drow(i)
+            return [(ok, pltpu.make_async_copy(q_lat.at[tok], qlb.at[i], sem.at[_QSEM])),
+                    (ok, pltpu.make_async_copy(q_rope.at[tok], qrb.at[i], sem.at[_QSEM]))]
+
+        dma_loop(B, q_copies, "start")
+        dma_loop(B, q_copies, "wait")
+        rowv = jax.lax.broadcasted_iota(jnp.int32, (B, 1), 0)
+
+        def fill(i, c):
+            ok, _, _, qp, kl = drow(i)
+            return tuple(jnp.where(rowv == i, x, v) for x, v in zip((qp, kl, ok), c))
+
+        qpos_v, kvl_v, val_v = jax.lax.fori_loop(
+            0, B, fill, (jnp.zeros((B, 1), jnp.int32), jnp.zeros((B, 1), jnp.int32), jnp.zeros((B, 1), jnp.bool_)))
+        ql = jnp.where(val_v[:, :, None], qlb[pl.ds(0, B)].astype(f32), 0.0)  # [B, H, Lat]
+        qr = jnp.where(val_v[:, :, None], qrb[pl.ds(0, B)].astype(f32), 0.0)  # [B, H, Rr]
+
+        def page(b, idx):
+            i, k = idx // bp, idx % bp
+            ok, rc, _, qp, kl = drow(i)
+            need, o, pid = page_need(rc, b * bp + k, kl, qp)
+            return i, k, ok & need, o, pid
+
+        def page_copy(b, slot, idx):
+            i, k, need, _, pid = page(b, idx)
+            return [(need, kv_copy(pid, slot, i, k))]
+
+        def compute(state, slot, b):
+            page_ok, kbase = key_table(B * bp, lambda idx: page(b, idx)[:4], (B, S))
+            kpos = kbase + jax.lax.broadcasted_iota(jnp.int32, (B, S), 1) % ps
+            kvalid = page_ok & (kpos < kvl_v) & (kpos <= qpos_v)  # [B, S]
+            c, kr = split_kv(kvbuf[slot], kvalid)  # [B, S, Lat], [B, S, Rr]
+            bdims = (((2,), (2,)), ((0,), (0,)))
+            s = (jax.lax.dot_general(ql, c, bdims, preferred_element_type=f32, precision=_PREC)
+                 + jax.lax.dot_general(qr, kr, bdims, preferred_element_type=f32, precision=_PREC)) * scale
+            s = jnp.where(kvalid[:, None, :], s, -jnp.inf)  # [B, H, S]
+            return _online(state, s, c, (((2,), (1,)), ((0,), (0,))))
+
+        init = (jnp.full((B, H), -jnp.inf, f32), jnp.zeros((B, H), f32), jnp.zeros((B, H, Lat), f32))
+        o, s = _finish(attend(dec_nblk[g], B * bp, page_copy, compute, init))
+        ob[pl.ds(0, B)] = o
+        lb[pl.ds(0, B)] = s
+
+        def out_copies(i):
+            ok, _, tok, _, _ = drow(i)
+            return [(ok, pltpu.make_async_copy(ob.at[i], out.at[tok], sem.at[_OSEM])),
+                    (ok, pltpu.make_async_copy(lb.at[i], lse.at[tok], sem.at[_OSEM]))]
+
+        dma_loop(B, out_copies, "start")
+        dma_loop(B, out_copies, "wait")
+
+    # ---- 3. query blocks: up to QB queries of one row
+    kq = g - ND
+
+    @pl.when((g >= ND) & (kq < meta[2]))
+    def _():
+        k = jnp.clip(kq, 0, qb_row.shape[0] - 1)
+        r, tok0, n, mp = qb_row[k], qb_tok0[k], qb_len[k], qb_maxpos[k]
+        kvl = kv_lens[r]
+        ws = jnp.minimum(tok0, T - QB)  # the window of QB tokens holding the block
+        d0 = tok0 - ws
+        qd = [(True, pltpu.make_async_copy(q_lat.at[pl.ds(ws, QB)], qlb.at[pl.ds(0, QB)], sem.at[_QSEM])),
+              (True, pltpu.make_async_copy(q_rope.at[pl.ds(ws, QB)], qrb.at[pl.ds(0, QB)], sem.at[_QSEM])),
+              (True, pltpu.make_async_copy(pos2d.at[pl.ds(ws, QB)], qposb, sem.at[_QSEM]))]
+        run_all(qd, "start")
+        run_all(qd, "wait")
+        qi = jax.lax.broadcasted_iota(jnp.int32, (QB, 1), 0)
+        qvalid = (qi >= d0) & (qi < d0 + n)  # [QB, 1]
+        qpos = qposb[...]  # [QB, 1]
+        ql = jnp.where(qvalid[:, :, None], qlb[pl.ds(0, QB)].astype(f32), 0.0).reshape(QB * H, Lat)
+        qr = jnp.where(qvalid[:, :, None], qrb[pl.ds(0, QB)].astype(f32), 0.0).reshape(QB * H, Rr)
+
+        def page(b, kk):
+            need, o, pid = page_need(r, b * bp + kk, kvl, mp)
+            return 0, kk, need, o, pid
+
+        def page_copy(b, slot, kk):
+            _, _, need, _, pid = page(b, kk)
+            return [(need, kv_copy(pid, slot, 0, kk))]
+
+        def compute(state, slot, b):
+            page_ok, kbase = key_table(bp, lambda kk: page(b, kk)[:4], (1, S))
+            kpos = kbase + jax.lax.broadcasted_iota(jnp.int32, (1, S), 1) % ps  # [1, S]
+            kok = page_ok & (kpos < kvl)
+            c, kr = split_kv(kvbuf[slot, 0], kok[0])  # [S, Lat], [S, Rr]
+            cdims = (((1,), (1,)), ((), ()))
+            s = (jax.lax.dot_general(ql, c, cdims, preferred_element_type=f32, precision=_PREC)
+                 + jax.lax.dot_general(qr, kr, cdims, preferred_element_type=f32, precision=_PREC)) * scale
+            mask = kok & (kpos <= qpos) & qvalid  # [QB, S]
+            s = jnp.where(mask[:, None, :], s.reshape(QB, H, S), -jnp.inf)
+            return _online(state, s.reshape(QB * H, S), c, (((1,), (0,)), ((), ())))
+
+        init = (jnp.full((QB * H,), -jnp.inf, f32), jnp.zeros((QB * H,), f32), jnp.zeros((QB * H, Lat), f32))
+        o, s = _finish(attend(qb_nblk[k], bp, page_copy, compute, init))
+        ob[pl.ds(0, QB)] = o.reshape(QB, H, Lat)
+        lb[pl.ds(0, QB)] = s.reshape(QB, H)
+
+        def out_copies(q):
+            ok = (q >= d0) & (q < d0 + n)
+            return [(ok, pltpu.make_async_copy(ob.at[q], out.at[ws + q], sem.at[_OSEM])),
+                    (ok, pltpu.make_async_copy(lb.at[q], lse.at[ws + q], sem.at[_OSEM]))]
+
+        dma_loop(QB, out_copies, "start")
+        dma_loop(QB, out_copies, "wait")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "latent_dim", "blocks", "interpret"))
+def mla_ragged_attention_kernel(q_lat, q_rope, new_rows, kv_pool, layer, page_table, tok_row, pos, kv_lens, cu_q_lens,
+                                q_lens, scale, latent_dim, *, page_ordinals=None, blocks=DEFAULT_BLOCKS,
+                                interpret=None):
+    """``(out_lat [T, H, Lat] f32, lse [T, H] f32, kv_pool)``: ``new_rows [T, W]`` (or None)
+    written into ``kv_pool [L, pages, page_size, W]`` at ``layer``, then ragged paged MLA
+    attention of ``q_lat [T, H, Lat]`` / ``q_rope [T, H, Rr]`` over the written pool — the
+    semantics of ``write_kv_rows`` + ``mla_ragged_attention(..., layer=layer, return_lse=True)``.
+
+    ``page_table [R, P]``, ``tok_row``/``pos [T]``, ``kv_lens``/``q_lens [R]``, ``cu_q_lens
+    [R + 1]`` as in ``kernels/mla_ragged.py``; ``page_ordinals`` None, ``[P]`` or ``[R, P]``.
+    ``blocks = (decode rows per step, queries per block, kv pages per block)`` (clamped to R, T,
+    P). ``interpret``: a ``pltpu.InterpretParams`` (CPU tests) or None (compile for TPU). The
+    pool is aliased in and out: donate it to update it in place."""
+    T, H, Lat = q_lat.shape
+    Rr = q_rope.shape[-1]
+    if Lat != latent_dim:
+        raise ValueError(f"q_lat's last dim {Lat} != latent_dim {latent_dim}")
+    if kv_pool.ndim != 4:
+        raise ValueError(f"kv_pool must be the stacked [L, pages, page_size, W] pool, got {kv_pool.shape}")
+    _, NP, ps, W = kv_pool.shape
+    if W < Lat + Rr:
+        raise ValueError(f"pool rows of width {W} cannot hold latent {Lat} + rope {Rr}")
+    if new_rows is not None and new_rows.shape != (T, W):
+        raise ValueError(f"new_rows {new_rows.shape} must be [T, W] = {(T, W)}")
+    R, P = page_table.shape
+    B = max(1, min(int(blocks[0]), R))
+    QB = max(1, min(int(blocks[1]), T))
+    bp = max(1, min(int(blocks[2]), P))
+    i32 = jnp.int32
+    table = page_table.astype(i32)
+    if page_ordinals is None:
+        ords = jnp.broadcast_to(jnp.arange(P, dtype=i32)[None], (R, P))
+    else:
+        ords = jnp.broadcast_to(jnp.asarray(page_ordinals, i32).reshape((-1, P)), (R, P))
+    kv_lens, cu, q_lens, pos, tok_row = (jnp.asarray(a).astype(i32) for a in (kv_lens, cu_q_lens, q_lens, pos, tok_row))
+    wl = work_lists(table, kv_lens, cu, q_lens, pos, ords, NP, ps, (B, QB, bp))
+    ND, NQ = grid_bounds(T, R, (B, QB, bp))
+    meta = jnp.concatenate([jnp.asarray(layer, i32).reshape(1), wl["counts"]])
+    prefetch = [meta, table.reshape(-1), ords.reshape(-1), kv_lens, cu, tok_row, pos, wl["dec_rows"], wl["dec_nblk"],
+                wl["qb_row"], wl["qb_tok0"], wl["qb_len"], wl["qb_nblk"], wl["qb_maxpos"]]
+    has_rows = new_rows is not None
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    inputs = [q_lat, q_rope, pos.reshape(T, 1)] + ([new_rows.astype(kv_pool.dtype)] if has_rows else [])
+    inputs += [kv_pool, jnp.zeros((T, H, Lat), jnp.float32), jnp.full((T, H), -jnp.inf, jnp.float32)]
+    n_pf, n_in = len(prefetch), len(inputs)
+    NB = max(B, QB)
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=n_pf, grid=(ND + NQ,),
+        in_specs=[hbm] * n_in,
+        out_specs=[hbm] * 3,
+        scratch_shapes=[pltpu.VMEM((2, B, bp * ps, W), kv_pool.dtype),
+                        pltpu.VMEM((NB, H, Lat), q_lat.dtype),
+                        pltpu.VMEM((NB, H, Rr), q_rope.dtype),
+                        pltpu.VMEM((QB, 1), i32),
+                        pltpu.VMEM((NB, H, Lat), jnp.float32),
+                        pltpu.VMEM((NB, H), jnp.float32),
+                        pltpu.SemaphoreType.DMA((5,))])
+    kernel = functools.partial(_kernel, T=T, R=R, P=P, H=H, Lat=Lat, Rr=Rr, NP=NP, ps=ps, B=B, QB=QB, bp=bp, ND=ND,
+                               scale=float(scale), has_rows=has_rows)
+    out, lse, pool = pl.pallas_call(
+        kernel, grid_spec=spec,
+        out_shape=(jax.ShapeDtypeStruct((T, H, Lat), jnp.float32), jax.ShapeDtypeStruct((T, H), jnp.float32),
+                   jax.ShapeDtypeStruct(kv_pool.shape, kv_pool.dtype)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        input_output_aliases={n_pf + n_in - 2: 0, n_pf + n_in - 1: 1, n_pf + n_in - 3: 2},
+        interpret=interpret)(*prefetch, *inputs)
+    return out, lse, pool
