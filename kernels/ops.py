@@ -3,28 +3,70 @@
 Each op resolves to its pure-JAX reference (the CPU path and the oracle for kernels). TPU
 Pallas kernels plug in here by backend (``K3Config.kernels``: "reference", "pallas",
 "pallas-interpret", chosen once at load); the model never imports a kernel module directly.
-So far the routed MXFP4 experts have a kernel (``expert_ffn(..., backend=...)``).
+Wired in so far: the routed MXFP4 experts (``expert_ffn(..., backend=...)``) and the MLA
+layers' row write + ragged paged attention (``mla_write_attend(..., backend=...)``, the
+``mla_ragged_attention_kernel``). Exported but not yet called by the model: ``kda_decode``
+(KDA decode rows of one layer against the state and conv pools, in place, in one Pallas call)
+and its pure-JAX reference ``kda_decode_reference`` (same signature; the CPU path); likewise
+``kda_prefill`` (the KDA prefill rows of one layer in chunks aligned to absolute positions, the
+state carried in VMEM across a row's chunks, pool read / written / snapshotted in place) and
+``kda_prefill_reference`` (same signature, on ``kda_ragged``).
 """
 from __future__ import annotations
 
 from .kda import kda_chunked, kda_recurrent
+from .kda_decode_kernel import kda_decode, kda_decode_reference
+from .kda_prefill_kernel import kda_prefill, kda_prefill_reference
 from .kda_ragged import kda_ragged, ragged_causal_conv
 from .mla import merge_partials, mla_paged_attention, write_kv_pages
 from .mla_ragged import mla_ragged_attention, write_kv_rows
+from .mla_ragged_kernel import mla_ragged_attention_kernel
 from .moe import expert_ffn, dequant_experts
-from .moe_gmm import repack_experts
+from .moe_gmm import interpret_params, repack_experts
 from .mxfp4 import unpack_mxfp4
+
+
+def _interpret(backend: str):
+    if backend not in ("pallas", "pallas-interpret"):
+        raise ValueError(f"unknown kernel backend {backend!r}")
+    return interpret_params() if backend == "pallas-interpret" else None
+
+
+def mla_write_attend(q_lat, q_rope, rows, kv_pool, layer, page_table, tok_row, pos, kv_lens, cu_q_lens, q_lens,
+                     scale, latent_dim, *, backend: str = "reference"):
+    """One MLA layer on a flattened step: write the step's latent ``rows [T, W]`` into layer
+    ``layer`` of the stacked pool, then ragged paged attention of ``q_lat``/``q_rope`` over it
+    (arguments as :func:`kernels.mla_ragged.mla_ragged_attention`; ``tok_row`` outside ``[0,
+    R)`` is padding). Returns ``(out_lat [T, H, latent_dim] float32, kv_pool)``. ``backend``
+    "reference": :func:`write_kv_rows` then :func:`mla_ragged_attention`; "pallas" /
+    "pallas-interpret": both in one kernel, the pool aliased in and out."""
+    if backend == "reference":
+        kv_pool = write_kv_rows(kv_pool, rows, page_table, tok_row, pos, layer=layer)
+        out = mla_ragged_attention(q_lat, q_rope, kv_pool, page_table, tok_row, pos, kv_lens, cu_q_lens, q_lens,
+                                   scale, latent_dim, layer=layer)
+        return out, kv_pool
+    out, _, kv_pool = mla_ragged_attention_kernel(q_lat, q_rope, rows, kv_pool, layer, page_table, tok_row, pos,
+                                                  kv_lens, cu_q_lens, q_lens, scale, latent_dim,
+                                                  interpret=_interpret(backend))
+    return out, kv_pool
+
 
 __all__ = [
     "kda_chunked",
     "kda_recurrent",
     "kda_ragged",
+    "kda_decode",
+    "kda_decode_reference",
+    "kda_prefill",
+    "kda_prefill_reference",
     "ragged_causal_conv",
     "mla_paged_attention",
     "merge_partials",
     "write_kv_pages",
     "mla_ragged_attention",
     "write_kv_rows",
+    "mla_ragged_attention_kernel",
+    "mla_write_attend",
     "expert_ffn",
     "dequant_experts",
     "repack_experts",

@@ -9,12 +9,13 @@ The bank holds only per-token values, so nothing of it crosses tokens or steps. 
 fixed array ``[num_blocks, T, D]`` plus a count, so every layer has the same shapes and the
 stack runs as one ``lax.scan`` over the layers (``model.layer_plan``).
 
-Parameters are stacked by layer kind: ``blocks[k]`` holds every layer of kind ``k`` (KDA +
-dense MLP, KDA + MoE, MLA + MoE), ``[layers of the kind, ...]``. ``layer(l)`` finds any
-layer; checkpoint names stay ``model.layers.{l}.*`` (``weights.py``). A layer runs in two
-halves (``_layer_in``, switched per attention type; ``_layer_out``, switched per kind) with the
-KDA-row, MLA-pool and AttnRes updates between them, outside the switches (docs/model.md, "The
-layer scan").
+Parameters are stacked per sublayer type (``model.layer_plan``): ``attn[a]`` holds every
+attention sublayer of type ``a`` (KDA, MLA), ``ffn[f]`` every FFN sublayer of type ``f`` (dense
+MLP, MoE), ``[sublayers of the type, ...]``. ``sublayer(l, part)`` finds any layer's part;
+checkpoint names stay ``model.layers.{l}.*`` (``weights.py``). A layer runs as the attention's
+first half (``_layer_in``), the KDA-row, MLA-pool and AttnRes updates outside any switch, the
+attention's second half (``_attn_out``) and the FFN (``_ffn``); the halves are switched per
+attention type, the FFN per FFN type (docs/model.md, "The layer scan").
 
 ``step`` is a pure function of the flattened step (``model.step.FlatBatch``): (batch, cache)
 -> (logits, new cache[, intermediates]); ``__call__`` runs it on a padded ``[B, T]`` batch.
@@ -29,29 +30,40 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..kernels import ops
 from .cache import Cache, StepBatch
-from .step import FlatBatch, flatten_padded, unflatten
+from .step import FlatBatch, flatten_padded, local_rows, unflatten
 from .kda import KDA
-from .layer_plan import plan_layers
+from .layer_plan import part_of, plan_layers
 from .layers import F32, AttnResWeights, GatedMLP, Linear, RMSNorm, attn_res_bank, param
 from .mla import MLA, write_latent_rows
 from .moe import MoE
 
 
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg, idx: int, dtype):
+class AttnBlock(nnx.Module):
+    """A layer's attention sublayer: input norm, AttnRes weights, KDA or MLA."""
+
+    def __init__(self, cfg, kind: str, dtype):
         D = cfg.hidden_size
-        self.kind = cfg.layer_types[idx]
-        self.is_moe = cfg.is_moe_layer(idx)
+        self.kind = kind
         self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype, "embed")
+        self.self_attn = KDA(cfg, dtype) if kind == "kda" else MLA(cfg, dtype)
+        if cfg.uses_attn_res:
+            self.self_attention_res = AttnResWeights(D, dtype)
+
+
+class FFNBlock(nnx.Module):
+    """A layer's FFN sublayer: post-attention norm, AttnRes weights, a dense MLP or a MoE."""
+
+    def __init__(self, cfg, is_moe: bool, dtype):
+        D = cfg.hidden_size
+        self.is_moe = is_moe
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, dtype, "embed")
-        self.self_attn = KDA(cfg, dtype) if self.kind == "kda" else MLA(cfg, dtype)
-        if self.is_moe:
+        if is_moe:
             self.block_sparse_moe = MoE(cfg, dtype)
         else:
             self.mlp = GatedMLP(cfg, D, cfg.intermediate_size, dtype)
         if cfg.uses_attn_res:
-            self.self_attention_res = AttnResWeights(D, dtype)
             self.mlp_res = AttnResWeights(D, dtype)
 
     def ffn(self, x, aux, par=None, valid=None, group=None):
@@ -71,10 +83,6 @@ def _stacked(module: nnx.Module, n: int) -> nnx.Module:
 
 
 _EXPERTS = nnx.PathContains("experts")  # routed experts (not "shared_experts")
-# what the first half of a layer reads (``_layer_in``): the same structure in every kind of an
-# attention type, so kinds that share the type can share one traced attention
-_ATTN_PART = nnx.Any(nnx.PathContains("self_attn"), nnx.PathContains("input_layernorm"),
-                     nnx.PathContains("self_attention_res"))
 
 
 @dataclasses.dataclass
@@ -94,9 +102,9 @@ class _Step:
         return v if self.par is None else self.par.sp_gather(v)
 
 
-def _layer_in(layer: DecoderLayer, st: dict, kda_rows, ctx: _Step, aux):
-    """First half of a layer, before the MLA pool write: the AttnRes mix (or the residual) and
-    the input norm; a KDA layer's whole attention; an MLA layer's latent rows.
+def _layer_in(layer: AttnBlock, st: dict, kda_rows, ctx: _Step, aux):
+    """First half of an attention sublayer, before the MLA pool write: the AttnRes mix (or
+    the residual) and the input norm; a KDA layer's whole attention; an MLA layer's latent rows.
 
     ``st``: ``p`` (prefix sum / residual [T, D] fp32), ``bank`` and ``count`` (AttnRes), read
     only. Returns ``(t, lat, new)``: the attention output (KDA) or the normalised input (MLA);
@@ -115,17 +123,23 @@ def _layer_in(layer: DecoderLayer, st: dict, kda_rows, ctx: _Step, aux):
     return a_in, layer.self_attn.latent_rows(a_in), None
 
 
-def _layer_out(layer: DecoderLayer, t, st: dict, kv, mla_layer, ctx: _Step, aux, group=None):
-    """Second half of a layer, after the AttnRes boundary update of ``st`` and the MLA pool
-    write: an MLA layer's attention over the pool (``kv``, read only), the residual or AttnRes
-    mix, the FFN. ``group``: in the scan, the layer's row of the routed-expert stacks, which
-    the layer holds whole. Returns the new ``p``."""
-    fb = ctx.fb
-    out = t if layer.kind == "kda" else ctx.scatter(layer.self_attn.attend(t, kv, mla_layer, fb, par=ctx.par))
+def _attn_out(layer: AttnBlock, t, kv, mla_layer, ctx: _Step):
+    """Second half of an attention sublayer, after the MLA pool write: an MLA layer's
+    attention over the pool (``kv``, read only); a KDA layer's output ``t`` as it is."""
+    if layer.kind == "kda":
+        return t
+    return ctx.scatter(layer.self_attn.attend(t, kv, mla_layer, ctx.fb, par=ctx.par)).astype(t.dtype)
+
+
+def _ffn(layer: FFNBlock, out, st: dict, ctx: _Step, aux, group=None):
+    """The FFN sublayer, after the AttnRes boundary update of ``st``: the residual or AttnRes
+    mix of the attention output ``out``, the norm, the MLP or MoE. ``group``: in the scan, the
+    layer's row of the routed-expert stacks, which the sublayer holds whole. Returns the new
+    ``p``."""
     p, bank, count = st["p"] + out, st.get("bank"), st.get("count")
     y = attn_res_bank(bank, count, p, layer.mlp_res, ctx.eps) if ctx.attn_res else p
     f = ctx.scatter(layer.ffn(ctx.gather(layer.post_attention_layernorm(y).astype(ctx.dtype)), aux, ctx.par,
-                              valid=fb.valid, group=group))
+                              valid=ctx.fb.valid, group=group))
     p = p + f
     if aux is not None:
         aux.update(attn_out=out, mlp_in=y, mlp_out=f, prefix_sum=p)
@@ -159,25 +173,25 @@ class KimiLM(nnx.Module):
         self.plan = plan = plan_layers(cfg)
         D = cfg.hidden_size
         self.embed_tokens = param((cfg.vocab_size, D), dtype, ("vocab", "embed"))
-        self.blocks = nnx.List([_stacked(DecoderLayer(cfg, plan.layers_of(k)[0], dtype), len(plan.layers_of(k)))
-                                for k in range(len(plan.kinds))])
+        self.attn = nnx.List([_stacked(AttnBlock(cfg, kind, dtype), len(plan.layers_of("attn", a)))
+                              for a, kind in enumerate(plan.attn_types)])
+        self.ffn = nnx.List([_stacked(FFNBlock(cfg, is_moe, dtype), len(plan.layers_of("ffn", f)))
+                             for f, is_moe in enumerate(plan.ffn_types)])
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype, "embed")
         if cfg.uses_attn_res:
             self.output_attn_res = AttnResWeights(D, dtype)
         self.lm_head = Linear(D, cfg.vocab_size, dtype, ("vocab", "embed"))
 
-    def layer(self, l: int) -> tuple[DecoderLayer, int]:
-        """Layer ``l``'s (stacked) module and its row in the stacks."""
-        k, row = self.plan.locate(l)
-        return self.blocks[k], row
-
-    def layer_path(self, l: int) -> str:
-        """The NNX path of layer ``l``'s stacked module (``blocks.{kind}``)."""
-        return f"blocks.{self.plan.locate(l)[0]}"
+    def sublayer(self, l: int, part: str) -> tuple[AttnBlock | FFNBlock, int, str]:
+        """Layer ``l``'s ``part`` ("attn" or "ffn"): the stacked module holding it, its row in
+        that stack and the stack's NNX path (``attn.{type}`` / ``ffn.{type}``)."""
+        typ, row = self.plan.locate(l, part)
+        return (self.attn if part == "attn" else self.ffn)[typ], row, f"{part}.{typ}"
 
     def layer_weight(self, l: int, name: str) -> jax.Array:
-        """Layer ``l``'s parameter ``name`` (``self_attn.A_log``, ...), unstacked."""
-        mod, g = self.layer(l)
+        """Layer ``l``'s parameter ``name`` (``self_attn.A_log``, ``mlp.up_proj.weight``, ...),
+        unstacked."""
+        mod, g, _ = self.sublayer(l, part_of(name))
         for part in name.split("."):
             mod = getattr(mod, part)
         v = mod.get_value()
@@ -247,13 +261,17 @@ class KimiLM(nnx.Module):
         # routed experts stay whole stacks indexed by row inside the expert op: a slice of
         # them is a copy of the layer's experts per layer (50 MB on the 105M checkpoint);
         # the other parameters are sliced per layer
-        parts = [nnx.split(blk, _ATTN_PART, nnx.Not(_EXPERTS), _EXPERTS) for blk in self.blocks]
+        attn_parts = [nnx.split(blk) for blk in self.attn]
+        ffn_parts = [nnx.split(blk, nnx.Not(_EXPERTS), _EXPERTS) for blk in self.ffn]
         rows_of = lambda tree, row: jax.tree.map(lambda a: a[row], tree)
 
-        def layer_of(k, row, attn=None):
-            """Kind ``k``'s layer at ``row``; ``attn``: its first-half parameters, already sliced."""
-            g, a, rest, experts = parts[k]
-            return nnx.merge(g, rows_of(a, row) if attn is None else attn, rows_of(rest, row), experts)
+        def attn_at(a, row) -> AttnBlock:
+            g, s = attn_parts[a]
+            return nnx.merge(g, rows_of(s, row))
+
+        def ffn_at(f, row) -> FFNBlock:
+            g, rest, experts = ffn_parts[f]
+            return nnx.merge(g, rows_of(rest, row), experts)
         st_keys = ("p", "bank", "count") if cfg.uses_attn_res else ("p",)
         n_kda, n_mla = len(kda_idx), len(mla_idx)
         kv_width, kv_dtype = cache.mla_kv.shape[-1], cache.mla_kv.dtype
@@ -262,88 +280,95 @@ class KimiLM(nnx.Module):
         kda_keys = ("conv", "state", "snap_conv", "snap_state")
         kda_shapes = [carry[n].shape[1:] for n in kda_keys] if n_kda else []
 
-        def half_in(k, st, conv, state, row, aux=None, pad=False, attn=None):
-            """Static kind ``k``: ``(t, lat, new)``; with ``pad`` every output is present (zeros
-            where the kind has none), as the switch's branches must agree. ``attn``: the
-            layer's first-half parameters when they come from another kind of the same type."""
-            layer = layer_of(k, row, attn)
+        # a Pallas backend writes the MLA rows and attends in one kernel, outside the switches
+        # (the pool aliased in place); the MLA branch then also returns the layer's queries.
+        # Sharded steps keep the reference path (sharding.parallel).
+        fused_mla = bool(n_mla) and ctx.par is None and cfg.kernels != "reference"
+        H_mla, Lr, Rr = cfg.mla_num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+
+        def half_in(a, st, conv, state, row, aux=None, pad=False):
+            """Static attention type ``a``: ``(t, lat, new, q)``; with ``pad`` every output is
+            present (zeros where the type has none), as the switch's branches must agree."""
+            layer = attn_at(a, row)
             t, lat, new = _layer_in(layer, st, (conv, state), ctx, aux)
+            q = layer.self_attn.queries(t) if fused_mla and layer.kind == "mla" else None
+            if pad and fused_mla and q is None:
+                q = (jnp.zeros((T, H_mla, Lr), F32), jnp.zeros((T, H_mla, Rr), t.dtype))
             if pad and n_mla and lat is None:
                 lat = jnp.zeros((T, kv_width), kv_dtype)
             if pad and n_kda and new is None:
                 new = tuple(jnp.zeros(shape, F32) for shape in kda_shapes)
             return t, (None if lat is None else lat.astype(kv_dtype)), (None if new is None else tuple(
-                v.astype(F32) for v in new))
+                v.astype(F32) for v in new)), q
 
-        # the first half runs one branch per attention type: kinds that share a type (K3's
-        # layer 0 and its other KDA layers) pick their row of first-half parameters with a
-        # switch that only slices, and the attention itself is traced once
-        att_types = list(dict.fromkeys(attn for attn, _ in plan.kinds))
-        type_of = np.array([att_types.index(attn) for attn, _ in plan.kinds], np.int32)
-        kinds_of_type = [[k for k in range(len(plan.kinds)) if type_of[k] == ti] for ti in range(len(att_types))]
-        local_of = np.array([kinds_of_type[type_of[k]].index(k) for k in range(len(plan.kinds))], np.int32)
+        def attn_out(a, t, kv, row, mla_j, out_lat=None):
+            layer = attn_at(a, row)
+            if out_lat is not None and layer.kind == "mla":  # attended by the fused kernel
+                return layer.self_attn.project_out(t, out_lat).astype(t.dtype)
+            return _attn_out(layer, t, kv, mla_j, ctx)
 
-        def half_in_type(ti, k, st, conv, state, row):
-            ks = kinds_of_type[ti]
-            if len(ks) == 1:
-                return half_in(ks[0], st, conv, state, row, pad=True)
-            attn = jax.lax.switch(jnp.asarray(local_of)[k], [functools.partial(rows_of, parts[kk][1]) for kk in ks],
-                                  row)
-            # the module is kind ks[0]'s; the first half reads only ``attn`` of it (the rest,
-            # sliced at a row of another kind's stack, is dead code and never computed)
-            return half_in(ks[0], st, conv, state, row, pad=True, attn=attn)
+        def ffn(f, out, st, row, aux=None):
+            return _ffn(ffn_at(f, row), out, st, ctx, aux, group=row)
 
-        def half_out(k, t, st, kv, row, mla_j, aux=None):
-            return _layer_out(layer_of(k, row), t, st, kv, mla_j, ctx, aux, group=row)
+        attn_is_kda = np.array([kind == "kda" for kind in plan.attn_types])
+        n_attn, n_ffn = len(plan.attn_types), len(plan.ffn_types)
 
-        kind_is_kda = np.array([attn == "kda" for attn, _ in plan.kinds])
+        def branch(fn, n, i, *args):
+            """``fn(i, *args)``: ``i`` static (unrolled) or traced (a switch over ``n`` types)."""
+            if isinstance(i, int):
+                return fn(i, *args)
+            return jax.lax.switch(i, [functools.partial(fn, j) for j in range(n)], *args)
 
-        def layer_step(carry, k, row, flag, kda_j, mla_j, aux=None):
-            """One layer: ``k`` and the rest static (unrolled) or traced (scan)."""
-            is_kda = bool(kind_is_kda[k]) if isinstance(k, int) else jnp.asarray(kind_is_kda)[k]
-            is_mla = not is_kda if isinstance(k, int) else ~is_kda
+        def layer_step(carry, a, a_row, f, f_row, flag, kda_j, mla_j, aux=None):
+            """One layer: types and rows static (unrolled) or traced (scan)."""
+            static = isinstance(a, int)
+            is_kda = bool(attn_is_kda[a]) if static else jnp.asarray(attn_is_kda)[a]
+            is_mla = not is_kda if static else ~is_kda
             st = {n: carry[n] for n in st_keys}
             conv = state = None
             if n_kda:
                 conv, state = carry["conv"][kda_j], carry["state"][kda_j]
-            if isinstance(k, int):
-                t, lat, new = half_in(k, st, conv, state, row, aux)
+            if static:
+                t, lat, new, q = half_in(a, st, conv, state, a_row, aux)
             else:
-                t, lat, new = jax.lax.switch(jnp.asarray(type_of)[k], [functools.partial(half_in_type, ti)
-                                                                       for ti in range(len(att_types))],
-                                             k, st, conv, state, row)
+                t, lat, new, q = branch(functools.partial(half_in, pad=True), n_attn, a, st, conv, state, a_row)
             carry = dict(carry)
             if n_kda and (is_kda is not False):  # a non-KDA layer's zeros go to a dropped index
                 at = kda_j if is_kda is True else jnp.where(is_kda, kda_j, n_kda)
                 for n, v in zip(kda_keys, new):
                     carry[n] = carry[n].at[at].set(v, mode="drop")
+            out_lat = None
             if n_mla and (is_mla is not False):  # a non-MLA layer writes no rows
                 wfb = fb if is_mla is True else dataclasses.replace(fb, tok_row=jnp.where(is_mla, fb.tok_row, -1))
-                carry["kv"] = write_latent_rows(lat, carry["kv"], mla_j, wfb, par=ctx.par)
+                if fused_mla:  # and attends nowhere: its rows have no tokens
+                    q_lens = fb.q_lens if is_mla is True else jnp.where(is_mla, fb.q_lens, 0)
+                    out_lat, carry["kv"] = ops.mla_write_attend(
+                        *q, lat, carry["kv"], mla_j, fb.page_table, local_rows(wfb.tok_row, fb.num_rows), fb.pos,
+                        fb.kv_lens, fb.cu_q_lens, q_lens, cfg.qk_head_dim ** -0.5, Lr, backend=cfg.kernels)
+                else:
+                    carry["kv"] = write_latent_rows(lat, carry["kv"], mla_j, wfb, par=ctx.par)
                 if aux is not None:
                     aux["mla_rows"] = lat
             st = _boundary_update(st, flag, ctx)
-            if isinstance(k, int):
-                p = half_out(k, t, st, carry["kv"], row, mla_j, aux)
-            else:
-                p = jax.lax.switch(k, [functools.partial(half_out, i) for i in range(len(plan.kinds))],
-                                   t, st, carry["kv"], row, mla_j)
+            out = branch(attn_out, n_attn, a, t, None if fused_mla else carry["kv"], a_row, mla_j, out_lat)
+            p = ffn(f, out, st, f_row, aux) if static else branch(ffn, n_ffn, f, out, st, f_row)
             carry.update(st, p=p)
             return carry
 
         records: list = []
         if capture or unroll:
             for l in range(L):
-                k, row = plan.locate(l)
                 aux = {} if capture else None
-                carry = layer_step(carry, k, row, boundary(l), int(kda_of[l]), int(mla_of[l]), aux)
+                carry = layer_step(carry, *plan.locate(l, "attn"), *plan.locate(l, "ffn"), boundary(l),
+                                   int(kda_of[l]), int(mla_of[l]), aux)
                 if aux is not None:
                     records.append(aux)
         else:
-            xs = {"kind": np.array(plan.kind_of, np.int32), "row": np.array(plan.row_of, np.int32),
+            xs = {"a": np.array(plan.attn_of, np.int32), "a_row": np.array(plan.attn_row, np.int32),
+                  "f": np.array(plan.ffn_of, np.int32), "f_row": np.array(plan.ffn_row, np.int32),
                   "flag": np.array([boundary(l) for l in range(L)]), "kda": kda_of, "mla": mla_of}
-            carry, _ = jax.lax.scan(lambda c, x: (layer_step(c, x["kind"], x["row"], x["flag"], x["kda"], x["mla"]),
-                                                  None), carry, xs)
+            carry, _ = jax.lax.scan(lambda c, x: (layer_step(c, x["a"], x["a_row"], x["f"], x["f_row"], x["flag"],
+                                                             x["kda"], x["mla"]), None), carry, xs)
 
         kda_state, kda_conv = cache.kda_state, cache.kda_conv
         if kda_idx:

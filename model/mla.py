@@ -57,25 +57,39 @@ class MLA(nnx.Module):
         c, kr = ckv[..., : self.cfg.kv_lora_rank], ckv[..., self.cfg.kv_lora_rank :]
         return jnp.concatenate([self.kv_a_layernorm(c), kr], axis=-1)
 
-    def attend(self, x, kv_pool, layer, fb, par=None):
-        """Attention of the step's tokens x [T, D] over this layer's pages (the step's own rows
-        already written by :func:`write_latent_rows`); returns out [T, D]."""
+    def queries(self, x):
+        """The step's queries in latent space: ``q_lat [T, H, kv_lora_rank]`` float32 (``q_nope``
+        absorbed through the key half of ``kv_b_proj``) and ``q_rope [T, H, rope]``."""
         cfg = self.cfg
         T = x.shape[0]
         H, nope, R, dv, Lr = cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         q = self.query(x).reshape(T, H, nope + R)
         q_nope, q_rope = q[..., :nope], q[..., nope:]
-        wkv = self.kv_b_proj.weight[...].reshape(H, nope + dv, Lr)
-        w_uk, w_uv = wkv[:, :nope], wkv[:, nope:]
-        q_lat = jnp.einsum("thn,hnl->thl", q_nope.astype(F32), w_uk.astype(F32))
-        scale = cfg.qk_head_dim ** -0.5
+        w_uk = self.kv_b_proj.weight[...].reshape(H, nope + dv, Lr)[:, :nope]
+        return jnp.einsum("thn,hnl->thl", q_nope.astype(F32), w_uk.astype(F32)), q_rope
+
+    def project_out(self, x, out_lat):
+        """The attention output ``out_lat [T, H, kv_lora_rank]`` back through the value half of
+        ``kv_b_proj``, the output gate of ``x`` and ``o_proj``: out [T, D]."""
+        cfg = self.cfg
+        T = x.shape[0]
+        H, nope, dv, Lr = cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        w_uv = self.kv_b_proj.weight[...].reshape(H, nope + dv, Lr)[:, nope:]
+        o = jnp.einsum("thl,hvl->thv", out_lat, w_uv.astype(F32)).reshape(T, H * dv)
+        if cfg.mla_output_gate:
+            o = o * jax.nn.sigmoid(self.g_proj(x).astype(F32))
+        return self.o_proj(o.astype(x.dtype))
+
+    def attend(self, x, kv_pool, layer, fb, par=None):
+        """Attention of the step's tokens x [T, D] over this layer's pages (the step's own rows
+        already written by :func:`write_latent_rows`); returns out [T, D]."""
+        cfg = self.cfg
+        q_lat, q_rope = self.queries(x)
+        scale, Lr = cfg.qk_head_dim ** -0.5, cfg.kv_lora_rank
         if par is None:
             tok_row = local_rows(fb.tok_row, fb.num_rows)
             out_lat = ops.mla_ragged_attention(q_lat, q_rope, kv_pool, fb.page_table, tok_row, fb.pos, fb.kv_lens,
                                                fb.cu_q_lens, fb.q_lens, scale, Lr, layer=layer)
         else:
             out_lat = par.mla_attend_flat(q_lat, q_rope, kv_pool, layer, fb, scale, Lr)
-        o = jnp.einsum("thl,hvl->thv", out_lat, w_uv.astype(F32)).reshape(T, H * dv)
-        if cfg.mla_output_gate:
-            o = o * jax.nn.sigmoid(self.g_proj(x).astype(F32))
-        return self.o_proj(o.astype(x.dtype))
+        return self.project_out(x, out_lat)

@@ -11,11 +11,12 @@ a sharding is created slice by slice (``jax.make_array_from_callback``): each de
 only its own slice of the host tensor, converted to the parameter dtype per slice; nothing
 puts a whole sharded parameter on one device. Expert stacks are still gathered on the host
 first and placed the same way once every expert is in. ``param_path`` is the dot-joined NNX
-path of the parameter (``blocks.0.block_sparse_moe.experts.w1_packed``), the same string
+path of the parameter (``ffn.1.experts.w1_packed``), the same string
 ``sharding.mesh`` derives from ``nnx.split(module)[1]``.
 
-Layer parameters are stacked per layer kind (``model.layer_plan``), ``[layers of the kind, ...]``:
-checkpoint layer ``l`` fills its row of its kind's stack. A stack starts as zeros on its
+Layer parameters are stacked per sublayer type (``model.layer_plan``), ``[sublayers of the type,
+...]``: checkpoint layer ``l``'s attention tensors fill its row of its attention type's stack,
+its FFN tensors its row of its FFN type's stack. A stack starts as zeros on its
 sharding and each layer's tensor is written into its row in place (a donated update), so
 the host never holds more than one layer's tensor (one layer's expert stack) at a time.
 
@@ -34,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from ..kernels.mxfp4 import GROUP_SIZE, unpack_mxfp4_np
+from .layer_plan import part_of
 
 # Tensors a K3 release carries that the text model does not read.
 _IGNORED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
@@ -99,8 +101,11 @@ def _resolve(model, cfg, name: str, dequant: bool) -> _Target | str | None:
     li, rest = int(m.group(1)), m.group(2)
     if li >= cfg.num_hidden_layers:
         return None
-    layer, group = model.layer(li)
-    base = model.layer_path(li)
+    try:
+        part = part_of(rest)
+    except KeyError:
+        return None
+    layer, group, base = model.sublayer(li, part)
     T = lambda *a, **k: _Target(*a, group=group, **k)  # noqa: E731
     m2 = re.match(r"^(self_attention_res|mlp_res)_(proj|norm)\.weight$", rest)
     if m2:
@@ -391,7 +396,7 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
         if isinstance(tgt, tuple):  # MXFP4 part, dequantized at load: (layer, stack path)
             m = _EXPERT.match(name.split(".", 3)[3])
             e, w, kind = int(m.group(1)), m.group(2), m.group(3)
-            layer, group = model.layer(tgt[0])
+            layer, group, _ = model.sublayer(tgt[0], "ffn")
             tgt = tgt[1]
             dense_var = getattr(layer.block_sparse_moe.experts, w)
             n_rows, k = tuple(dense_var.get_value().shape[-2:])

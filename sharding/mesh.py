@@ -77,10 +77,10 @@ _HEAD_OUT = ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "f_b_proj", "q_b_
 
 def param_spec(path: str, shape: tuple[int, ...], mesh_shape: dict) -> tuple:
     """PartitionSpec entries for the parameter at ``path`` (dot-joined NNX path). Parameters of
-    the scanned layers (``blocks.*``, stacked ``[groups, ...]``) keep their layer axis whole and
-    place the rest as the unstacked parameter."""
-    if path.startswith("blocks."):
-        return (None,) + param_spec(path[len("blocks"):], shape[1:], mesh_shape)
+    the scanned layers (``attn.*``, ``ffn.*``, stacked ``[sublayers of a type, ...]``) keep their
+    layer axis whole and place the rest as the unstacked parameter."""
+    if path.startswith(("attn.", "ffn.")):
+        return (None,) + param_spec(path[path.index("."):], shape[1:], mesh_shape)
     spec: list = [None] * len(shape)
 
     def put(dim: int, axes) -> None:

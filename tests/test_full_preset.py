@@ -46,12 +46,15 @@ def test_full_model_abstract_shapes_and_parameter_count():
     assert m.layer_weight(92, "self_attn.kv_b_proj.weight").shape == (24576, 512)
     assert m.layer_weight(1, "block_sparse_moe.experts.w1_packed").shape == (896, 3072, 1792)
     assert m.layer_weight(1, "block_sparse_moe.experts.w2_scale").shape == (896, 3584, 96)
-    # 93 layers trace as 3 layer bodies, one per kind: KDA + dense MLP (layer 0), KDA + MoE
-    # (68 layers), MLA + MoE (24 layers), parameters stacked per kind
+    # 93 layers trace as 4 sublayer bodies: KDA (69 layers), MLA (24), the dense MLP (layer 0),
+    # the MoE (92), parameters stacked per type
     plan = m.plan
-    assert plan.traced_bodies == 3 and [len(plan.layers_of(k)) for k in range(3)] == [1, 68, 24]
-    assert m.layer_path(0) == "blocks.0" and m.layer_path(1) == "blocks.1" and m.layer_path(91) == "blocks.2"
-    assert m.blocks[1].self_attn.q_proj.weight.get_value().shape == (68, 12288, 7168)
+    assert plan.traced_bodies == 4 and [len(plan.layers_of("attn", a)) for a in range(2)] == [69, 24]
+    assert [len(plan.layers_of("ffn", f)) for f in range(2)] == [1, 92]
+    assert [m.sublayer(l, "attn")[2] for l in (0, 1, 91)] == ["attn.0", "attn.0", "attn.1"]
+    assert [m.sublayer(l, "ffn")[2] for l in (0, 1, 91)] == ["ffn.0", "ffn.1", "ffn.1"]
+    assert m.attn[0].self_attn.q_proj.weight.get_value().shape == (69, 12288, 7168)
+    assert m.ffn[1].block_sparse_moe.experts.w1_packed.get_value().shape == (92, 896, 3072, 1792)
     specs = tensor_specs(_release_json())
     assert specs["language_model.model.layers.1.block_sparse_moe.experts.895.w1.weight_packed"] == ("U8", (3072, 1792))
 

@@ -10,29 +10,49 @@ import pytest
 from k3serve.kernels.moe import STRATEGIES, expert_ffn
 from k3serve.kernels.mxfp4 import quantize_mxfp4_np
 from k3serve.model.config import k3_full, k3_small
-from k3serve.model.layer_plan import plan_layers
+from k3serve.model.layer_plan import part_of, plan_layers
 from k3serve.model.layers import AttnResWeights, attn_res_bank, gated_act, rms_normalize
 
 
-def test_k3_plan_traces_three_bodies():
+def test_k3_plan_traces_four_bodies():
     cfg = k3_full()
     plan = plan_layers(cfg)
-    # three kinds: KDA + dense MLP (layer 0), KDA + MoE, MLA + MoE
-    assert plan.kinds == (("kda", False), ("kda", True), ("mla", True))
-    assert plan.traced_bodies == 3
-    assert [len(plan.layers_of(k)) for k in range(3)] == [1, 68, 24]
-    assert plan.locate(0) == (0, 0) and plan.locate(1) == (1, 0) and plan.locate(3) == (2, 0)
-    assert plan.locate(91) == (2, 22) and plan.locate(92) == (2, 23)
-    # every layer sits at exactly one (kind, row), rows in layer order within a kind
-    seen = sorted(l for k in range(3) for l in plan.layers_of(k))
-    assert seen == list(range(93))
-    for k in range(3):
-        assert [plan.locate(l) for l in plan.layers_of(k)] == [(k, r) for r in range(len(plan.layers_of(k)))]
+    # two attention types (KDA, MLA) and two FFN types (dense MLP at layer 0, MoE): the MoE is
+    # one traced body whatever attention precedes it
+    assert plan.attn_types == ("kda", "mla") and plan.ffn_types == (False, True)
+    assert plan.traced_bodies == 4
+    assert [len(plan.layers_of("attn", a)) for a in range(2)] == [69, 24]
+    assert [len(plan.layers_of("ffn", f)) for f in range(2)] == [1, 92]
+    assert plan.locate(0, "attn") == (0, 0) and plan.locate(0, "ffn") == (0, 0)
+    assert plan.locate(1, "attn") == (0, 1) and plan.locate(1, "ffn") == (1, 0)
+    assert plan.locate(3, "attn") == (1, 0) and plan.locate(3, "ffn") == (1, 2)
+    assert plan.locate(91, "attn") == (1, 22) and plan.locate(92, "attn") == (1, 23)
+    assert plan.locate(92, "ffn") == (1, 91)
+    # every layer's part sits at exactly one (type, row), rows in layer order within a type
+    for part, types in (("attn", plan.attn_types), ("ffn", plan.ffn_types)):
+        seen = sorted(l for t in range(len(types)) for l in plan.layers_of(part, t))
+        assert seen == list(range(93))
+        for t in range(len(types)):
+            layers = plan.layers_of(part, t)
+            assert [plan.locate(l, part) for l in layers] == [(t, r) for r in range(len(layers))]
     for l in range(93):
-        k, _ = plan.locate(l)
-        assert plan.kinds[k] == (cfg.layer_types[l], bool(cfg.is_moe_layer(l)))
+        assert plan.attn_types[plan.locate(l, "attn")[0]] == cfg.layer_types[l]
+        assert plan.ffn_types[plan.locate(l, "ffn")[0]] == bool(cfg.is_moe_layer(l))
     with pytest.raises(IndexError):
-        plan.locate(93)
+        plan.locate(93, "attn")
+    with pytest.raises(ValueError):
+        plan.locate(0, "mlp")
+
+
+def test_part_of_names_the_sublayer():
+    for name in ("self_attn.A_log", "input_layernorm.weight", "self_attention_res.proj",
+                 "self_attention_res_norm.weight"):
+        assert part_of(name) == "attn"
+    for name in ("post_attention_layernorm.weight", "mlp.up_proj.weight", "mlp_res_proj.weight",
+                 "block_sparse_moe.experts.3.w1.weight_packed"):
+        assert part_of(name) == "ffn"
+    with pytest.raises(KeyError):
+        part_of("self_attnx.A_log")
 
 
 @pytest.mark.parametrize("layers", [13, 25, 49, 93])
@@ -41,15 +61,36 @@ def test_deeper_stacks_trace_the_same_bodies(layers):
     # graph does not grow with depth
     cfg = k3_small(num_hidden_layers=layers)
     plan = plan_layers(cfg)
-    assert plan.traced_bodies == 3
-    assert sum(len(plan.layers_of(k)) for k in range(3)) == layers
+    assert plan.traced_bodies == 4
+    assert sum(len(plan.layers_of("attn", a)) for a in range(2)) == layers
+    assert sum(len(plan.layers_of("ffn", f)) for f in range(2)) == layers
 
 
-def test_two_layers_two_kinds():
+def test_two_layers():
     cfg = k3_small(num_hidden_layers=2)
     plan = plan_layers(cfg)
-    assert plan.kinds == (("kda", False), ("mla", True)) and plan.traced_bodies == 2
-    assert plan.locate(1) == (1, 0)
+    assert plan.attn_types == ("kda", "mla") and plan.ffn_types == (False, True) and plan.traced_bodies == 4
+    assert plan.locate(1, "attn") == (1, 0) and plan.locate(1, "ffn") == (1, 0)
+
+
+def test_model_stacks_per_type():
+    # the module holds one stack per type; sublayer() and layer_weight() find any layer's part
+    from flax import nnx
+
+    from k3serve.model.k3 import KimiLM
+
+    cfg = k3_small(num_hidden_layers=5)
+    m = nnx.eval_shape(lambda: KimiLM(cfg))
+    assert len(m.attn) == 2 and len(m.ffn) == 2
+    assert [blk.kind for blk in m.attn] == ["kda", "mla"] and [blk.is_moe for blk in m.ffn] == [False, True]
+    n_kda = sum(t == "kda" for t in cfg.layer_types)
+    assert m.attn[0].self_attn.A_log.get_value().shape == (n_kda, cfg.kda_num_heads)
+    assert m.ffn[1].block_sparse_moe.gate.weight.get_value().shape[0] == 4  # layers 1..4 are MoE
+    mod, row, path = m.sublayer(3, "attn")
+    assert mod is m.attn[1] and row == 0 and path == "attn.1"
+    mod, row, path = m.sublayer(3, "ffn")
+    assert mod is m.ffn[1] and row == 2 and path == "ffn.1"
+    assert m.layer_weight(0, "mlp.up_proj.weight").shape == (cfg.intermediate_size, cfg.hidden_size)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -216,8 +216,8 @@ def test_dequantize_experts_gives_dense_experts(single, ids):
     assert m.config.experts_mxfp4 is False
     ref_m, ref_logits = single
     assert ref_m.config.experts_mxfp4 is True
-    dense = module_of(m).layer(2)[0].block_sparse_moe.experts
-    packed = module_of(ref_m).layer(2)[0].block_sparse_moe.experts
+    dense = module_of(m).sublayer(2, "ffn")[0].block_sparse_moe.experts
+    packed = module_of(ref_m).sublayer(2, "ffn")[0].block_sparse_moe.experts
     cfg = m.config
     for w in ("w1", "w2", "w3"):
         assert hasattr(dense, w) and not hasattr(dense, w + "_packed") and not hasattr(dense, w + "_scale")

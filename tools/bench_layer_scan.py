@@ -58,7 +58,8 @@ def main(argv=None) -> int:
         jax.clear_caches()
     diff = float(np.max(np.abs(res["scan"]["logits"] - res["unrolled"]["logits"])))
     plan = plan_layers(m.config)
-    print(f"plan: kinds {plan.kinds} -> {plan.traced_bodies} traced bodies (unrolled: {plan.num_layers})")
+    print(f"plan: attention types {plan.attn_types}, FFN types (MoE?) {plan.ffn_types} -> {plan.traced_bodies} "
+          f"traced sublayer bodies (unrolled: {plan.num_layers} layers)")
     for name in ("scan", "unrolled"):
         r = res[name]
         print(f"{name:9s} compile+first {r['compile_and_first_s']:7.2f} s   step {r['step_ms']:8.2f} ms")
