@@ -3,14 +3,12 @@
 Each op resolves to its pure-JAX reference (the CPU path and the oracle for kernels). TPU
 Pallas kernels plug in here by backend (``K3Config.kernels``: "reference", "pallas",
 "pallas-interpret", chosen once at load); the model never imports a kernel module directly.
-Wired in so far: the routed MXFP4 experts (``expert_ffn(..., backend=...)``) and the MLA
-layers' row write + ragged paged attention (``mla_write_attend(..., backend=...)``, the
-``mla_ragged_attention_kernel``). Exported but not yet called by the model: ``kda_decode``
-(KDA decode rows of one layer against the state and conv pools, in place, in one Pallas call)
-and its pure-JAX reference ``kda_decode_reference`` (same signature; the CPU path); likewise
-``kda_prefill`` (the KDA prefill rows of one layer in chunks aligned to absolute positions, the
-state carried in VMEM across a row's chunks, pool read / written / snapshotted in place) and
-``kda_prefill_reference`` (same signature, on ``kda_ragged``).
+Wired in: the routed MXFP4 experts (``expert_ffn(..., backend=...)``: ``gmm_mxfp4``), the MLA
+layers' row write + ragged paged attention (``mla_write_attend``: ``mla_ragged_attention_kernel``)
+and each KDA layer's core on the state and conv pools in place (``kda_layer_on_pools``:
+``kda_decode`` for one-token rows, ``kda_prefill`` for the others). ``kda_decode_reference`` and
+``kda_prefill_reference`` are the kernels' pure-JAX oracles (the model's reference path runs
+``kda_ragged`` on gathered rows instead).
 """
 from __future__ import annotations
 
@@ -51,6 +49,19 @@ def mla_write_attend(q_lat, q_rope, rows, kv_pool, layer, page_table, tok_row, p
     return out, kv_pool
 
 
+def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool, layer,
+                       tok_row, cu_q_lens, q_lens, start_pos, read_slot, write_slot, fresh, snap_row, snap_len,
+                       snap_slot, *, lower_bound, eps, backend: str):
+    """One KDA layer's core on the flattened step, on the state and conv pools in place, with
+    the Pallas decode and prefill kernels (``kernels/kda_pools.py``); "pallas" or
+    "pallas-interpret" only (the reference path runs on gathered rows: ``model/kda.py``)."""
+    from .kda_pools import kda_layer_on_pools as run
+
+    return run(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool, layer, tok_row,
+               cu_q_lens, q_lens, start_pos, read_slot, write_slot, fresh, snap_row, snap_len, snap_slot,
+               lower_bound=lower_bound, eps=eps, interpret=_interpret(backend))
+
+
 __all__ = [
     "kda_chunked",
     "kda_recurrent",
@@ -67,6 +78,7 @@ __all__ = [
     "write_kv_rows",
     "mla_ragged_attention_kernel",
     "mla_write_attend",
+    "kda_layer_on_pools",
     "expert_ffn",
     "dequant_experts",
     "repack_experts",

@@ -102,7 +102,13 @@ class _Step:
         return v if self.par is None else self.par.sp_gather(v)
 
 
-def _layer_in(layer: AttnBlock, st: dict, kda_rows, ctx: _Step, aux):
+def _kda_inputs(layer: AttnBlock, a_in) -> tuple:
+    """What a KDA layer's core on the pools reads (``ops.kda_layer_on_pools``): the per-token
+    projections of its normalised input and its small core parameters."""
+    return (*layer.self_attn.project(a_in), *layer.self_attn.core_params())
+
+
+def _layer_in(layer: AttnBlock, st: dict, kda_rows, ctx: _Step, aux, kda_core: bool = True):
     """First half of an attention sublayer, before the MLA pool write: the AttnRes mix (or
     the residual) and the input norm; a KDA layer's whole attention; an MLA layer's latent rows.
 
@@ -117,6 +123,8 @@ def _layer_in(layer: AttnBlock, st: dict, kda_rows, ctx: _Step, aux):
     a_in = ctx.gather(layer.input_layernorm(x).astype(ctx.dtype))
     if aux is not None:
         aux["attn_in"] = x
+    if layer.kind == "kda" and not kda_core:  # the core runs on the pools, outside the switch
+        return a_in, None, None
     if layer.kind == "kda":
         out, new = layer.self_attn.flat(a_in, kda_rows[0], kda_rows[1], ctx.fb, aux, par=ctx.par)
         return ctx.scatter(out).astype(ctx.dtype), None, new
@@ -239,7 +247,11 @@ class KimiLM(nnx.Module):
         # the end (by write slot): a per-layer scatter into the pool makes XLA copy the whole
         # pool per layer
         take = (lambda pool, s: pool[:, s]) if par is None else par.take_slots
-        if kda_idx:
+        # a Pallas backend runs each KDA layer's core on the pools in place, outside the
+        # switches (``ops.kda_layer_on_pools``): nothing is gathered before the stack or
+        # scattered after it. Sharded steps keep the reference path (sharding.parallel).
+        fused_kda = bool(kda_idx) and par is None and cfg.kernels != "reference"
+        if kda_idx and not fused_kda:
             conv_rows = jnp.where(fb.fresh[None, :, None, None], 0.0, take(cache.kda_conv, fb.read_slot))
             state_rows = jnp.where(fb.fresh[None, :, None, None, None], 0.0, take(cache.kda_state, fb.read_slot))
 
@@ -253,7 +265,9 @@ class KimiLM(nnx.Module):
         L = plan.num_layers
         kda_of = np.array([kda_idx.get(l, 0) for l in range(L)], np.int32)
         mla_of = np.array([mla_idx.get(l, 0) for l in range(L)], np.int32)
-        if kda_idx:
+        if fused_kda:
+            carry.update(state_pool=cache.kda_state, conv_pool=cache.kda_conv)
+        elif kda_idx:
             NS = fb.snap_slot.shape[0]
             carry.update(conv=conv_rows, state=state_rows,
                          snap_conv=jnp.zeros((len(kda_idx), NS) + conv_rows.shape[2:], F32),
@@ -278,7 +292,11 @@ class KimiLM(nnx.Module):
         T = fb.ids.shape[0]
 
         kda_keys = ("conv", "state", "snap_conv", "snap_state")
-        kda_shapes = [carry[n].shape[1:] for n in kda_keys] if n_kda else []
+        kda_shapes = [carry[n].shape[1:] for n in kda_keys] if n_kda and not fused_kda else []
+        if fused_kda:  # what a KDA layer's first half hands the core: shapes for the other branches
+            kda_a = plan.attn_types.index("kda")
+            kin_shapes = jax.eval_shape(
+                lambda: _kda_inputs(attn_at(kda_a, 0), jnp.zeros((T, cfg.hidden_size), self.dtype)))
 
         # a Pallas backend writes the MLA rows and attends in one kernel, outside the switches
         # (the pool aliased in place); the MLA branch then also returns the layer's queries.
@@ -290,21 +308,27 @@ class KimiLM(nnx.Module):
             """Static attention type ``a``: ``(t, lat, new, q)``; with ``pad`` every output is
             present (zeros where the type has none), as the switch's branches must agree."""
             layer = attn_at(a, row)
-            t, lat, new = _layer_in(layer, st, (conv, state), ctx, aux)
+            t, lat, new = _layer_in(layer, st, (conv, state), ctx, aux, kda_core=not fused_kda)
             q = layer.self_attn.queries(t) if fused_mla and layer.kind == "mla" else None
             if pad and fused_mla and q is None:
                 q = (jnp.zeros((T, H_mla, Lr), F32), jnp.zeros((T, H_mla, Rr), t.dtype))
             if pad and n_mla and lat is None:
                 lat = jnp.zeros((T, kv_width), kv_dtype)
+            if fused_kda:  # the KDA inputs ride in ``new``
+                new = _kda_inputs(layer, t) if layer.kind == "kda" else (
+                    tuple(jnp.zeros(s.shape, s.dtype) for s in kin_shapes) if pad else None)
+                return t, (None if lat is None else lat.astype(kv_dtype)), new, q
             if pad and n_kda and new is None:
                 new = tuple(jnp.zeros(shape, F32) for shape in kda_shapes)
             return t, (None if lat is None else lat.astype(kv_dtype)), (None if new is None else tuple(
                 v.astype(F32) for v in new)), q
 
-        def attn_out(a, t, kv, row, mla_j, out_lat=None):
+        def attn_out(a, t, kv, row, mla_j, out_lat=None, o_kda=None):
             layer = attn_at(a, row)
             if out_lat is not None and layer.kind == "mla":  # attended by the fused kernel
                 return layer.self_attn.project_out(t, out_lat).astype(t.dtype)
+            if o_kda is not None and layer.kind == "kda":  # the core ran on the pools
+                return layer.self_attn.o_proj(o_kda.reshape(T, -1).astype(t.dtype)).astype(t.dtype)
             return _attn_out(layer, t, kv, mla_j, ctx)
 
         def ffn(f, out, st, row, aux=None):
@@ -326,14 +350,22 @@ class KimiLM(nnx.Module):
             is_mla = not is_kda if static else ~is_kda
             st = {n: carry[n] for n in st_keys}
             conv = state = None
-            if n_kda:
+            if n_kda and not fused_kda:
                 conv, state = carry["conv"][kda_j], carry["state"][kda_j]
             if static:
                 t, lat, new, q = half_in(a, st, conv, state, a_row, aux)
             else:
                 t, lat, new, q = branch(functools.partial(half_in, pad=True), n_attn, a, st, conv, state, a_row)
             carry = dict(carry)
-            if n_kda and (is_kda is not False):  # a non-KDA layer's zeros go to a dropped index
+            o_kda = None
+            if fused_kda and (is_kda is not False):  # a non-KDA layer's rows have no tokens
+                q_lens = fb.q_lens if is_kda is True else jnp.where(is_kda, fb.q_lens, 0)
+                o_kda, carry["state_pool"], carry["conv_pool"] = ops.kda_layer_on_pools(
+                    *new, carry["state_pool"], carry["conv_pool"], kda_j, local_rows(fb.tok_row, fb.num_rows),
+                    fb.cu_q_lens, q_lens, fb.start_pos, fb.read_slot, fb.write_slot, fb.fresh,
+                    local_rows(fb.snap_row, fb.num_rows), fb.snap_len, fb.snap_slot,
+                    lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps, backend=cfg.kernels)
+            elif n_kda and (is_kda is not False):  # a non-KDA layer's zeros go to a dropped index
                 at = kda_j if is_kda is True else jnp.where(is_kda, kda_j, n_kda)
                 for n, v in zip(kda_keys, new):
                     carry[n] = carry[n].at[at].set(v, mode="drop")
@@ -350,7 +382,7 @@ class KimiLM(nnx.Module):
                 if aux is not None:
                     aux["mla_rows"] = lat
             st = _boundary_update(st, flag, ctx)
-            out = branch(attn_out, n_attn, a, t, None if fused_mla else carry["kv"], a_row, mla_j, out_lat)
+            out = branch(attn_out, n_attn, a, t, None if fused_mla else carry["kv"], a_row, mla_j, out_lat, o_kda)
             p = ffn(f, out, st, f_row, aux) if static else branch(ffn, n_ffn, f, out, st, f_row)
             carry.update(st, p=p)
             return carry
@@ -371,7 +403,9 @@ class KimiLM(nnx.Module):
                                                              x["kda"], x["mla"]), None), carry, xs)
 
         kda_state, kda_conv = cache.kda_state, cache.kda_conv
-        if kda_idx:
+        if fused_kda:
+            kda_state, kda_conv = carry["state_pool"], carry["conv_pool"]
+        elif kda_idx:
             conv_out, state_out, snap_conv, snap_state = (carry[n] for n in kda_keys)
             put = (lambda pool, s, v: pool.at[:, s].set(v, mode="drop")) if par is None else par.put_slots
             kda_conv = put(put(kda_conv, fb.write_slot, conv_out), fb.snap_slot, snap_conv)

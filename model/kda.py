@@ -99,6 +99,21 @@ class KDA(nnx.Module):
         o = rms_normalize(o, cfg.rms_norm_eps) * self.o_norm[...] * jax.nn.sigmoid(gate)
         return self.o_proj(o.reshape(*x.shape[:-1], H * dk).astype(x.dtype))
 
+    def project(self, x):
+        """The per-token inputs of the layer's core on the pools (``ops.kda_layer_on_pools``):
+        raw ``q|k|v`` projections [T, 3P], the raw forget projection [T, P] (before
+        ``dt_bias``), beta [T, H] (fp32) and the raw output gate [T, P]."""
+        raw = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        f = self.f_b_proj(self.f_a_proj(x))
+        beta = jax.nn.sigmoid(matmul(x, self.b_proj.weight[...]).astype(F32))
+        return raw, f, beta, self.output_gate(x)
+
+    def core_params(self):
+        """The small per-layer parameters of the core: conv weights [3P, W], ``A_log`` [H],
+        ``dt_bias`` [P], the output norm's weight [dk] (fp32)."""
+        conv_w = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=0)
+        return conv_w, self.A_log[...], self.dt_bias[...], self.o_norm[...]
+
     def flat(self, x, conv_rows, state_rows, fb, aux=None, par=None):
         """The layer on a flattened step (``model.step.FlatBatch``): x [T, D]; conv_rows
         [R, W-1, 3P] and state_rows [R, H, dk, dv] read for the step's rows (fresh rows zeroed).

@@ -1,0 +1,87 @@
+"""One KDA layer's core on a flattened step, straight on the cache pools, with the Pallas
+kernels: what ``model/kda.py`` does on gathered rows (``_flat_core`` + the gated output norm),
+but every row's state and conv window is read from and written to the pools in place.
+
+* rows with one token (decode rows, and a prompt's last single token) go through
+  :func:`kda_decode_kernel.kda_decode`: conv window, SiLU, norms, gate, delta step and the
+  gated output norm in one kernel, the state and window written to the row's write slot and,
+  when a snapshot entry of length 1 names the row, to the snapshot slot;
+* rows with two tokens or more: the causal conv in XLA (each row's window gathered from the
+  conv pool by read slot; the new windows and the snapshot windows scattered back), then
+  :func:`kda_prefill_kernel.kda_prefill` for the delta rule (state carried across a row's
+  chunks, written to the write slot, snapshots at any offset), then the gated output norm.
+
+Rows with no tokens are untouched. A caller that masks a whole layer (``q_lens`` all zero, as
+the layer scan does for a non-KDA layer) gets zeros and unchanged pools: neither kernel visits
+a row and no window is scattered.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .kda_decode_kernel import _l2_normalize, _log_decay, _rms_normalize, kda_decode
+from .kda_prefill_kernel import kda_prefill
+from .kda_ragged import ragged_causal_conv
+
+F32, I32 = jnp.float32, jnp.int32
+
+
+def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool, layer,
+                       tok_row, cu_q_lens, q_lens, start_pos, read_slot, write_slot, fresh, snap_row, snap_len,
+                       snap_slot, *, lower_bound, eps, interpret=None):
+    """``(o [T, H, d] float32 after the gated output norm, state_pool, conv_pool)``.
+
+    Token inputs as :func:`kda_decode_kernel.kda_decode` (raw ``q|k|v`` projections, raw forget
+    projection, beta, raw output gate); pools ``[L, S, ...]`` with ``layer``; ``tok_row`` local
+    rows (``R`` for padding); the row arrays and snapshot entries of ``model.step.FlatBatch``.
+    Same slot discipline as the kernels: written slots distinct, no row reads a slot another
+    row writes."""
+    T = qkv_raw.shape[0]
+    H = beta.shape[-1]
+    P = f.shape[-1]
+    d = P // H
+    R = q_lens.shape[0]
+    S = state_pool.shape[1]
+    ql = q_lens.astype(I32)
+    cu = cu_q_lens.astype(I32)
+    one, pre = ql == 1, ql >= 2
+    tok_row = tok_row.astype(I32)
+    hb = max(n for n in range(1, min(8, H) + 1) if H % n == 0)  # heads per grid step
+
+    # ---- one-token rows: the decode kernel (a row's token is its first)
+    e_ok = (snap_row < R) & (snap_len == 1)
+    e_row = jnp.where(e_ok, snap_row, R)
+    row_snap = jnp.full((R,), -1, I32).at[e_row].set(snap_slot.astype(I32), mode="drop")
+    row_snap = jnp.where(one, row_snap, -1)
+    o_dec, state_pool, conv_pool = kda_decode(
+        qkv_raw, f, beta, gate_out, state_pool, conv_pool, layer, jnp.minimum(cu[:R], T - 1), read_slot,
+        jnp.where(one, write_slot, -1), row_snap, fresh, jnp.where(jnp.any(one), R, 0), conv_w, A_log, dt_bias,
+        o_norm, lower_bound=lower_bound, eps=eps, blocks=(min(8, R), hb), interpret=interpret)
+
+    # ---- rows of two tokens or more: conv in XLA, the delta rule in the prefill kernel
+    qlp = jnp.where(pre, ql, 0)
+    tok_pre = jnp.where(pre[jnp.minimum(tok_row, R - 1)] & (tok_row < R), tok_row, R)
+    conv_rows = jnp.where((fresh | ~pre)[:, None, None], 0.0, conv_pool[layer, jnp.clip(read_slot, 0, S - 1)])
+    y, new_conv, snap_conv = ragged_causal_conv(qkv_raw, conv_rows, conv_w, tok_pre, cu, qlp, snap_row, snap_len)
+    y = jax.nn.silu(y)
+    q, k, v = (t.reshape(T, H, d) for t in (y[:, :P], y[:, P:2 * P], y[:, 2 * P:]))
+    q = _l2_normalize(q) * (d ** -0.5)
+    k = _l2_normalize(k)
+    a = jnp.exp(A_log.astype(F32))[:, None]
+    g = _log_decay(f.astype(F32).reshape(T, H, d), a, dt_bias.astype(F32).reshape(H, d), lower_bound)
+    o_pre, state_pool = kda_prefill(q, k, v, g, beta.astype(F32), state_pool, layer, tok_pre, cu, qlp, start_pos,
+                                    read_slot, write_slot, fresh, snap_row, snap_len, snap_slot, blocks=(hb,),
+                                    interpret=interpret)
+    s_row = jnp.minimum(snap_row, R - 1)
+    s_ok = (snap_row < R) & pre[s_row] & (snap_len >= 1) & (snap_len <= qlp[s_row])
+    conv_pool = conv_pool.at[layer, jnp.where(pre, write_slot, S)].set(new_conv.astype(conv_pool.dtype), mode="drop")
+    conv_pool = conv_pool.at[layer, jnp.where(s_ok, snap_slot, S)].set(snap_conv.astype(conv_pool.dtype), mode="drop")
+    gate = jax.nn.sigmoid(gate_out.astype(F32).reshape(T, H, d))
+    o_pre = _rms_normalize(o_pre, eps) * o_norm.astype(F32) * gate
+
+    # ---- each token's output: its row's decode output or its prefill output
+    r = jnp.minimum(tok_row, R - 1)
+    live = tok_row < R
+    o = jnp.where((live & one[r])[:, None, None], o_dec[r], jnp.where((live & pre[r])[:, None, None], o_pre, 0.0))
+    return o, state_pool, conv_pool

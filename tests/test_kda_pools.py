@@ -1,0 +1,123 @@
+"""One KDA layer's core on the pools with the Pallas kernels (``ops.kda_layer_on_pools``, what the
+model runs on a Pallas backend) against the model's reference core on gathered rows
+(``model.kda._flat_core`` + the gated output norm, results scattered by slot), in TPU interpret
+mode: one-token rows anywhere in the step (not only first), a fresh row over a garbage slot, a
+prefix hit (read slot != write slot), snapshots on a one-token row and mid-row in a prefill
+row, an empty row, padding tokens, and a masked layer (all ``q_len`` 0) that must change
+nothing."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3serve.kernels import ops
+from k3serve.kernels.kda_decode_kernel import _log_decay, _rms_normalize
+from k3serve.model.kda import _flat_core
+
+H, D, W, L, S = 2, 8, 4, 2, 10
+P = H * D
+T, R = 24, 5
+EPS, LB = 1e-5, -5.0
+
+
+def _step():
+    # rows: (q_len, start, read, write, fresh); row 4 is empty; tokens 21.. are padding
+    rows = [(9, 3, 3, 4, False), (1, 5, 1, 1, False), (1, 0, 2, 2, True), (10, 0, 9, 5, True), (0, 0, 0, S, True)]
+    snaps = [(0, 4, 6), (1, 1, 7), (3, 10, 8)]  # (row, length, slot): mid-row, one-token row, row end
+    cu = np.zeros(R + 1, np.int32)
+    tok_row = np.full(T, R, np.int32)
+    t = 0
+    for i, (q, *_rest) in enumerate(rows):
+        tok_row[t:t + q] = i
+        t += q
+        cu[i + 1] = t
+    col = lambda j, dt=np.int32: np.array([r[j] for r in rows], dt)  # noqa: E731
+    sr = np.array([s[0] for s in snaps] + [R], np.int32)
+    sl = np.array([s[1] for s in snaps] + [0], np.int32)
+    ss = np.array([s[2] for s in snaps] + [S], np.int32)
+    return dict(tok_row=tok_row, cu_q_lens=cu, q_lens=col(0), start_pos=col(1), read_slot=col(2), write_slot=col(3),
+                fresh=col(4, bool), snap_row=sr, snap_len=sl, snap_slot=ss)
+
+
+def _inputs(seed):
+    rng = np.random.default_rng(seed)
+    f32 = np.float32
+    tok = dict(qkv_raw=rng.normal(size=(T, 3 * P)).astype(f32), f=rng.normal(size=(T, P)).astype(f32),
+               beta=(1 / (1 + np.exp(-rng.normal(size=(T, H))))).astype(f32),
+               gate_out=rng.normal(size=(T, P)).astype(f32))
+    par = dict(conv_w=(0.5 * rng.normal(size=(3 * P, W))).astype(f32), A_log=rng.normal(size=(H,)).astype(f32),
+               dt_bias=rng.normal(size=(P,)).astype(f32), o_norm=(1 + 0.1 * rng.normal(size=(D,))).astype(f32))
+    state = (0.3 * rng.normal(size=(L, S, H, D, D))).astype(f32)
+    conv = rng.normal(size=(L, S, W - 1, 3 * P)).astype(f32)
+    state[1, 2] = np.nan  # the fresh row's read slot holds garbage
+    conv[1, 2] = 1e30
+    return tok, par, state, conv
+
+
+def _reference(tok, par, state, conv, layer, m):
+    """The model's reference core on gathered rows, scattered back by slot."""
+    fresh = m["fresh"]
+    st_rows = np.where(fresh[:, None, None, None], 0.0, state[layer, m["read_slot"]])
+    cv_rows = np.where(fresh[:, None, None], 0.0, conv[layer, m["read_slot"]])
+    j = {k: jnp.asarray(v) for k, v in m.items()}
+    a = np.exp(par["A_log"])[:, None]
+    g = _log_decay(jnp.asarray(tok["f"]).reshape(T, H, D), a, jnp.asarray(par["dt_bias"]).reshape(H, D), LB)
+    o, (new_conv, new_state, snap_conv, snap_state) = _flat_core(
+        jnp.asarray(tok["qkv_raw"]), jnp.asarray(par["conv_w"]), g, jnp.asarray(tok["beta"]), jnp.asarray(cv_rows),
+        jnp.asarray(st_rows), j["tok_row"], j["cu_q_lens"], j["q_lens"], j["start_pos"], j["snap_row"],
+        j["snap_len"], H=H, dk=D, P=P)
+    gate = jax.nn.sigmoid(jnp.asarray(tok["gate_out"]).reshape(T, H, D))
+    o = np.array(_rms_normalize(o, EPS) * par["o_norm"] * gate)
+    o[m["tok_row"] >= R] = 0.0
+    state, conv = state.copy(), conv.copy()
+    for r in range(R):
+        if m["q_lens"][r] and m["write_slot"][r] < S:
+            state[layer, m["write_slot"][r]] = new_state[r]
+            conv[layer, m["write_slot"][r]] = new_conv[r]
+    for e in range(len(m["snap_row"])):
+        if m["snap_row"][e] < R and m["snap_slot"][e] < S:
+            state[layer, m["snap_slot"][e]] = snap_state[e]
+            conv[layer, m["snap_slot"][e]] = snap_conv[e]
+    return o, state, conv
+
+
+@jax.jit
+def _core(tok, par, state, conv, layer, m):  # one program for every test: metadata are arguments
+    return ops.kda_layer_on_pools(
+        *(tok[k] for k in ("qkv_raw", "f", "beta", "gate_out")),
+        *(par[k] for k in ("conv_w", "A_log", "dt_bias", "o_norm")), state, conv, layer, m["tok_row"],
+        m["cu_q_lens"], m["q_lens"], m["start_pos"], m["read_slot"], m["write_slot"], m["fresh"], m["snap_row"],
+        m["snap_len"], m["snap_slot"], lower_bound=LB, eps=EPS, backend="pallas-interpret")
+
+
+def _run(tok, par, state, conv, layer, m):
+    return _core(*(jax.tree.map(jnp.asarray, x) for x in (tok, par, state, conv)), jnp.int32(layer),
+                 jax.tree.map(jnp.asarray, m))
+
+
+def test_layer_on_pools_matches_the_reference_core():
+    tok, par, state, conv = _inputs(0)
+    m = _step()
+    o, st, cv = (np.asarray(x) for x in _run(tok, par, state, conv, 1, m))
+    o_ref, st_ref, cv_ref = _reference(tok, par, state, conv, 1, m)
+    np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
+    written = sorted({4, 1, 2, 5, 6, 7, 8})
+    np.testing.assert_allclose(st[1, written], st_ref[1, written], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cv[1, written], cv_ref[1, written], rtol=1e-5, atol=1e-5)
+    untouched = [s for s in range(S) if s not in written]
+    # slots nothing wrote, and the other layer, are bit-identical (NaN included)
+    np.testing.assert_array_equal(st[1, untouched], state[1, untouched])
+    np.testing.assert_array_equal(cv[1, untouched], conv[1, untouched])
+    np.testing.assert_array_equal(st[0], state[0])
+    np.testing.assert_array_equal(cv[0], conv[0])
+
+
+def test_masked_layer_changes_nothing():
+    tok, par, state, conv = _inputs(1)
+    m = dict(_step(), q_lens=np.zeros(R, np.int32))
+    o, st, cv = (np.asarray(x) for x in _run(tok, par, state, conv, 0, m))
+    assert not o.any()
+    np.testing.assert_array_equal(st, state)
+    np.testing.assert_array_equal(cv, conv)
