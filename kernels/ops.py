@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from .kda import kda_chunked, kda_recurrent
 from .kda_decode_kernel import kda_decode, kda_decode_reference
+from .kda_pools import kda_layer_on_pools as _kda_layer_on_pools
 from .kda_prefill_kernel import kda_prefill, kda_prefill_reference
 from .kda_ragged import kda_ragged, ragged_causal_conv
 from .mla import merge_partials, mla_paged_attention, write_kv_pages
@@ -55,11 +56,10 @@ def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_nor
     """One KDA layer's core on the flattened step, on the state and conv pools in place, with
     the Pallas decode and prefill kernels (``kernels/kda_pools.py``); "pallas" or
     "pallas-interpret" only (the reference path runs on gathered rows: ``model/kda.py``)."""
-    from .kda_pools import kda_layer_on_pools as run
-
-    return run(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool, layer, tok_row,
-               cu_q_lens, q_lens, start_pos, read_slot, write_slot, fresh, snap_row, snap_len, snap_slot,
-               lower_bound=lower_bound, eps=eps, interpret=_interpret(backend))
+    return _kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool, layer,
+                               tok_row, cu_q_lens, q_lens, start_pos, read_slot, write_slot, fresh, snap_row,
+                               snap_len, snap_slot, lower_bound=lower_bound, eps=eps,
+                               interpret=_interpret(backend))
 
 
 __all__ = [
