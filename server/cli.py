@@ -258,6 +258,19 @@ def add_cluster_flags(p) -> None:
                    help="seconds of silence after which the leader counts a follower as lost")
 
 
+def add_pd_flags(p) -> None:
+    g = p.add_argument_group("prefill/decode disaggregation through smg (docs/pd.md)")
+    g.add_argument("--role", choices=["unified", "prefill", "decode"], default="unified",
+                   help="prefill: compute prompts and hand their cache to a decode server; decode: continue "
+                        "requests from a prefill's handoff (requests without disaggregated_params run unified)")
+    g.add_argument("--bootstrap-port", type=int, default=8998,
+                   help="prefill: the rendezvous port decode servers call (on --host; smg's default 8998)")
+    g.add_argument("--pd-wait", type=float, default=30.0,
+                   help="prefill: seconds a request waits for its decode server before failing")
+    g.add_argument("--pd-transfer-timeout", type=float, default=60.0,
+                   help="seconds a staged handoff waits to be pulled (prefill) / a pull may take (decode)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3serve", description="Kimi K3 inference server (JAX)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -325,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", default=None)
     add_prefix_flags(sv)
     add_cluster_flags(sv)
+    add_pd_flags(sv)
     sv.set_defaults(func=cmd_serve)
 
     pl = sub.add_parser("plan", help="memory per device and max concurrency for parallelism recipes")

@@ -80,7 +80,7 @@ def run_to_end(engine, rids, max_steps: int = 2000, after_step=None) -> list:
     """Step ``engine`` until it has no work left; the final output of each of ``rids``, in order.
     ``after_step()``, if given, runs after every step (a check of the engine's state)."""
     done, steps = {}, 0
-    while engine.has_unfinished():
+    while engine.has_unfinished() or engine.has_owed_outputs():
         for out in engine.step():
             if out.finished:
                 done[out.rid] = out

@@ -109,7 +109,14 @@ class EngineThread:
 
     # ------------------------------------------------------------------ callers
     def submit(self, prompt, params: SamplingParams | None = None, *, rid: str | None = None,
-               priority: int = 0, cache_salt: str | None = None, api_key: str | None = None) -> RequestHandle:
+               priority: int = 0, cache_salt: str | None = None, api_key: str | None = None,
+               export: bool = False, on_reserved: Callable[[str], None] | None = None) -> RequestHandle:
+        """``export``: a P/D prefill (one token, then the cache on the final output's
+        ``handoff``). ``on_reserved``: a P/D decode — the prompt is computed elsewhere; called
+        (on the engine thread: it must not block) once a slot and pages are reserved, after
+        which :meth:`deliver` hands the engine the ``handoff.Handoff``."""
+        if export and on_reserved is not None:
+            raise ValueError("a request is either a P/D prefill (export) or a P/D decode (on_reserved)")
         self._check_open()
         ids = self.engine.validate(prompt, params)  # pure: never touches engine state
         rid = rid or f"k3-{uuid.uuid4().hex}"
@@ -120,8 +127,27 @@ class EngineThread:
             if rid in self._handles:
                 raise RequestError(f"request id {rid!r} is already in use")
             self._handles[rid] = h
-            self._inbox.put(("submit", h, (ids, params, priority, cache_salt, api_key)))
+            self._inbox.put(("submit", h, (ids, params, priority, cache_salt, api_key, export, on_reserved)))
         return h
+
+    def deliver(self, rid: str, handoff) -> None:
+        """P/D decode: the handoff of a request submitted with ``on_reserved``."""
+        with self._lock:
+            h = self._handles.get(rid)
+            if h is None or h.finished:
+                return
+            self._inbox.put(("deliver", h, handoff))
+
+    def fail_request(self, rid: str, err: RequestError) -> bool:
+        """End one request with ``err`` (raised by its ``outputs()``; the gRPC status is its
+        ``code``) and free what it holds; False if it already ended."""
+        with self._lock:
+            h = self._handles.get(rid)
+            if h is None or h.finished or h.abort_requested:
+                return False
+            h.abort_requested = True
+            self._inbox.put(("abort", h, err))
+        return True
 
     def abort(self, rid: str) -> bool:
         """Abort the live request with this id; False if there is none."""
@@ -286,9 +312,14 @@ class EngineThread:
                 if h.abort_requested:  # aborted before it ever reached the engine
                     self._deliver(_final(h), time.monotonic())
                     continue
-                ids, params, priority, salt, key = arg
+                ids, params, priority, salt, key, export, on_reserved = arg
                 try:
-                    eng.admit(ids, params, rid=h.rid, priority=priority, cache_salt=salt, api_key=key)
+                    if on_reserved is not None:
+                        eng.admit_prefilled(ids, params, rid=h.rid, priority=priority, cache_salt=salt, api_key=key,
+                                            on_reserved=on_reserved)
+                    else:
+                        eng.admit(ids, params, rid=h.rid, priority=priority, cache_salt=salt, api_key=key,
+                                  export=export)
                 except RequestError as e:
                     self._fail(h, e)
                     continue
@@ -298,6 +329,16 @@ class EngineThread:
                 if h.admitted and not h.finished and eng.abort(h.rid):
                     h.freed_step = self.num_steps
                     owed = True
+                if arg is not None:  # fail_request: the caller gets this error, not an abort
+                    self._fail(h, arg)
+            elif kind == "deliver":
+                if h.admitted and not h.finished:
+                    try:
+                        eng.deliver(h.rid, arg)
+                    except RequestError as e:
+                        eng.abort(h.rid)
+                        owed = True
+                        self._fail(h, e)
             elif kind == "call":
                 try:
                     res = (True, h(eng))

@@ -13,7 +13,8 @@ answer UNIMPLEMENTED with a message.
 Proto3 cannot tell "absent" from zero, so zero means "default" where zero is not a
 meaningful value: ``top_p`` 0 → 1.0, ``top_k`` 0 → off, ``repetition_penalty`` 0 → 1.0,
 ``n`` 0 → 1. ``temperature`` 0 is greedy. An absent ``max_new_tokens`` means "up to the
-context": ``max_model_len - len(prompt)``.
+context": ``max_model_len - len(prompt)``. The proto has no seed: ``custom_params`` ``{"seed":
+N}`` seeds a request's sampling (same seed, same tokens, whatever the batch).
 
 Errors are gRPC statuses with a message, and a refused request changes nothing in the
 engine: INVALID_ARGUMENT (malformed or unsupported parameters, duplicate request id in
@@ -45,6 +46,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from ..engine.request import RequestError
+from ..pd.prefill import HandoffError
 from .auth import ApiKeyInterceptor
 from ..engine.sampling_params import SamplingParams
 
@@ -105,6 +107,17 @@ def sampling_from_proto(req: "pb.GenerateRequest", *, max_model_len: int, has_de
         raise BadRequest("custom logit processors are not supported")
     if req.return_hidden_states:
         raise BadRequest("return_hidden_states is not supported")
+    seed = None
+    if sp.HasField("custom_params"):  # the proto has no seed field: {"seed": N} (or "sampling_seed")
+        extra = dict(sp.custom_params.items())
+        unknown = sorted(set(extra) - {"seed", "sampling_seed"})
+        if unknown:
+            raise BadRequest(f"unsupported custom_params {unknown} (supported: seed)")
+        raw = extra.get("seed", extra.get("sampling_seed"))
+        if raw is not None:
+            if not isinstance(raw, float) or raw != int(raw):
+                raise BadRequest(f"custom_params seed must be an integer, got {raw!r}")
+            seed = int(raw)
     try:
         return SamplingParams(
             max_new_tokens=max_new,
@@ -120,6 +133,7 @@ def sampling_from_proto(req: "pb.GenerateRequest", *, max_model_len: int, has_de
             ignore_eos=bool(sp.ignore_eos),
             min_new_tokens=int(sp.min_new_tokens),
             logprobs=logprobs,
+            seed=seed,
         )
     except ValueError as e:
         raise BadRequest(str(e)) from None
@@ -158,6 +172,8 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         self.last_receive = 0.0
         self._bundle: bytes | None = None
         self._raw_config: dict | None = None  # config.json, read once
+        self.pd_prefill = None  # server.pd.prefill.PrefillSide on a prefill-role server
+        self.pd_decode = None  # server.pd.decode.DecodeSide on a decode-role server
 
     def set_ready(self, loop) -> None:
         self.loop = loop
@@ -176,15 +192,28 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         self.last_receive = time.time()
         eng = loop.engine
         rid = request.request_id or f"k3-{uuid.uuid4().hex}"
+        dparams = request.disaggregated_params if request.HasField("disaggregated_params") else None
+        prefill = self.pd_prefill if dparams is not None else None
+        room = None
         try:
             params = sampling_from_proto(request, max_model_len=eng.max_model_len,
                                          has_detokenizer=eng.detokenize is not None)
             md = dict(context.invocation_metadata() or ())
             key = md.get("authorization", "")
-            handle = loop.submit(list(request.tokenized.input_ids), params, rid=rid,
-                                 cache_salt=md.get("x-cache-salt") or None,
-                                 api_key=key.removeprefix("Bearer ") or None)
+            ids = list(request.tokenized.input_ids)
+            kw = dict(rid=rid, cache_salt=md.get("x-cache-salt") or None, api_key=key.removeprefix("Bearer ") or None)
+            if prefill is not None:  # P/D prefill: compute only once the decode has room for the result
+                eng.validate(ids, params)
+                room = prefill.wait_for_decode((dparams.bootstrap_room, rid), context)
+                prefill.check_registration(room, ids)
+                handle = loop.submit(ids, params, export=True, **kw)
+            elif dparams is not None and self.pd_decode is not None:  # P/D decode: continue from the handoff
+                handle = self.pd_decode.submit(loop, ids, params, dparams=dparams, **kw)
+            else:
+                handle = loop.submit(ids, params, **kw)
         except RequestError as e:
+            if room is not None:
+                prefill.rooms.fail(room.key, e)
             if self.metrics is not None:
                 self.metrics.rejected(e.code)
             context.abort(_status(e.code), str(e))
@@ -192,37 +221,53 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         # retry that reuses the id is never hit). False: the RPC already ended, abort now.
         if not context.add_callback(handle.abort):
             handle.abort()
-        n_prompt = handle.num_prompt
-        want_lp = params.logprobs is not None
-        sent_lp = 0
+        on_final = None
+        if room is not None:
+            def on_final(out):
+                if out.handoff is not None:
+                    prefill.publish(room, out, time.monotonic())
+                else:
+                    prefill.rooms.fail(room.key, HandoffError("ABORTED", f"the prefill of {rid!r} was aborted"))
         try:
-            for out in handle.outputs():
-                if request.stream and out.new_token_ids:
-                    chunk = pb.GenerateStreamChunk(token_ids=out.new_token_ids, prompt_tokens=n_prompt,
-                                                   completion_tokens=out.completion_tokens,
-                                                   cached_tokens=out.cached_tokens)
-                    if want_lp:
-                        new_lp = getattr(out, "new_logprobs", None)
-                        if new_lp is None:  # outputs that carry the whole list so far
-                            new_lp = out.logprobs[sent_lp:]
-                        sent_lp += len(new_lp)
-                        chunk.output_logprobs.CopyFrom(_logprobs(new_lp, out.new_token_ids))
-                    yield pb.GenerateResponse(request_id=rid, chunk=chunk)
-                if out.finished:
-                    done = pb.GenerateComplete(output_ids=out.token_ids, finish_reason=out.finish_reason or "abort",
-                                               prompt_tokens=n_prompt, completion_tokens=out.completion_tokens,
-                                               cached_tokens=out.cached_tokens)
-                    if isinstance(out.matched_stop, str):
-                        done.matched_stop_str = out.matched_stop
-                    elif out.matched_stop is not None:
-                        done.matched_token_id = int(out.matched_stop)
-                    if want_lp:
-                        done.output_logprobs.CopyFrom(_logprobs(out.logprobs or [], out.token_ids))
-                    yield pb.GenerateResponse(request_id=rid, complete=done)
+            yield from self._stream(handle, request, rid, params, on_final)
         except RequestError as e:  # the engine failed under this request
+            if room is not None:
+                prefill.rooms.fail(room.key, e)
             context.abort(_status(e.code), str(e))
         finally:  # gRPC closed the generator (client gone) or anything raised: free the request
             handle.abort()
+            if room is not None and not room.done.is_set():
+                prefill.rooms.fail(room.key, HandoffError("CANCELLED", f"the prefill of {rid!r} was cancelled"))
+
+    def _stream(self, handle, request, rid, params, on_final=None):
+        n_prompt = handle.num_prompt
+        want_lp = params.logprobs is not None
+        sent_lp = 0
+        for out in handle.outputs():
+            if request.stream and out.new_token_ids:
+                chunk = pb.GenerateStreamChunk(token_ids=out.new_token_ids, prompt_tokens=n_prompt,
+                                               completion_tokens=out.completion_tokens,
+                                               cached_tokens=out.cached_tokens)
+                if want_lp:
+                    new_lp = getattr(out, "new_logprobs", None)
+                    if new_lp is None:  # outputs that carry the whole list so far
+                        new_lp = out.logprobs[sent_lp:]
+                    sent_lp += len(new_lp)
+                    chunk.output_logprobs.CopyFrom(_logprobs(new_lp, out.new_token_ids))
+                yield pb.GenerateResponse(request_id=rid, chunk=chunk)
+            if out.finished:
+                if on_final is not None:
+                    on_final(out)
+                done = pb.GenerateComplete(output_ids=out.token_ids, finish_reason=out.finish_reason or "abort",
+                                           prompt_tokens=n_prompt, completion_tokens=out.completion_tokens,
+                                           cached_tokens=out.cached_tokens)
+                if isinstance(out.matched_stop, str):
+                    done.matched_stop_str = out.matched_stop
+                elif out.matched_stop is not None:
+                    done.matched_token_id = int(out.matched_stop)
+                if want_lp:
+                    done.output_logprobs.CopyFrom(_logprobs(out.logprobs or [], out.token_ids))
+                yield pb.GenerateResponse(request_id=rid, complete=done)
 
     def Abort(self, request, context):
         loop = self.loop  # served while draining too: a router's aborts must land during the grace period
@@ -274,7 +319,7 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
             "chunked_prefill_size": eng.scheduler.chunk_size, "page_size": eng.capacity_plan.page_size,
             "context_length": eng.max_model_len, "pp_size": 1,
             **_parallel_sizes(eng.recipe), **_deployment(eng),
-            "disaggregation_mode": "null", "dtype": str(eng.model.dtype),
+            **self._disaggregation_args(), "dtype": str(eng.model.dtype),
             "recipe": str(eng.recipe) if eng.recipe is not None else "single",
             **self.server_args,
         }
@@ -308,11 +353,39 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
             num_used_tokens=used, max_total_num_tokens=st["max_tokens_in_kv"], token_usage=used / cap,
             max_running_requests=max_seqs, utilization=running / max(1, max_seqs), cache_hit_rate=hit_rate,
             num_waiting_uncached_tokens=st["waiting_uncached_tokens"])
+        if self.pd_prefill is not None or self.pd_decode is not None:
+            load.disaggregation.CopyFrom(self._disaggregation_metrics())
         agg = pb.AggregateMetrics(total_running_reqs=running, total_waiting_reqs=waiting,
                                   total_reqs=running + waiting, avg_token_usage=used / cap,
                                   avg_utilization=load.utilization)
         return pb.GetLoadsResponse(timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), version=VERSION,
                                    dp_rank_count=1, loads=[load], aggregate=agg)
+
+    def _disaggregation_args(self) -> dict:
+        if self.pd_prefill is not None:
+            return {"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": self.pd_prefill.port,
+                    "disaggregation_transfer_backend": "jax-transfer"}
+        if self.pd_decode is not None:
+            return {"disaggregation_mode": "decode", "disaggregation_transfer_backend": "jax-transfer"}
+        return {"disaggregation_mode": "null"}
+
+    def _disaggregation_metrics(self) -> "pb.DisaggregationMetrics":
+        """SGLang's queues, mapped: prefill — rooms waiting for their decode (prealloc) and
+        rooms computing or staged (inflight); decode — requests waiting for a reservation
+        (prealloc) and reserved requests whose handoff is on its way (transfer)."""
+        m = pb.DisaggregationMetrics()
+        if self.pd_prefill is not None:
+            rooms = self.pd_prefill.rooms
+            m.mode = "prefill"
+            m.prefill_prealloc_queue_reqs, m.prefill_inflight_queue_reqs = rooms.counts()
+        if self.pd_decode is not None:
+            d = self.pd_decode
+            m.mode = "decode"
+            m.decode_prealloc_queue_reqs, m.decode_transfer_queue_reqs = d.waiting, d.transferring
+            if d.transfer_time_s > 0:
+                m.kv_transfer_speed_gb_s = d.bytes_received / d.transfer_time_s / 1e9
+            m.kv_transfer_latency_ms = d.last_latency_s * 1e3
+        return m
 
     def GetTokenizer(self, request, context):
         if self._bundle is None:

@@ -91,6 +91,16 @@ def serve(args) -> int:
         from .multihost import on_follower_lost
 
         on_follower_lost(box["dispatch"], loop)
+    pd = None
+    if not stop.is_set() and getattr(args, "role", "unified") != "unified":
+        try:
+            pd = attach_pd(servicer, loop.engine, args)
+        except (OSError, ValueError) as e:
+            print(f"k3serve: cannot serve as {args.role}: {e}", file=sys.stderr, flush=True)
+            server.server.stop(0)
+            loop.stop()
+            metrics.close()
+            return 1
     if not stop.is_set():
         server.set_ready(loop)
         st = loop.stats()
@@ -98,11 +108,32 @@ def serve(args) -> int:
               f"({st['max_concurrent_slots']} KDA slots), warm-up {st['warmup_s']:.1f}s, "
               f"{st['num_compiles']} programs", flush=True)
     code = run_until_stopped(server, loop, stop, args.grace_period, metrics)
+    if pd is not None:
+        pd.stop()
     if cluster is not None:
         from .multihost import stop_followers
 
         return stop_followers(box["dispatch"], code)
     return code
+
+
+def attach_pd(servicer, engine, args):
+    """Make the servicer a P/D prefill (bootstrap service on ``--bootstrap-port``) or decode
+    server (``--role``); returns the side, to stop at exit."""
+    if engine.mesh is not None or engine.dispatch.num_processes > 1:
+        raise ValueError("P/D roles need a single-device engine for now (no --recipe, one process)")
+    if args.role == "prefill":
+        from ..pd.prefill import PrefillSide
+
+        side = servicer.pd_prefill = PrefillSide(engine, host=args.host, bootstrap_port=args.bootstrap_port,
+                                                 wait_s=args.pd_wait, stage_s=args.pd_transfer_timeout)
+        print(f"k3serve: P/D prefill: bootstrap on {args.host}:{side.port}, transfer {side.transfer.address}", flush=True)
+    else:
+        from ..pd.decode import DecodeSide
+
+        side = servicer.pd_decode = DecodeSide(engine, host=args.host, transfer_s=args.pd_transfer_timeout)
+        print(f"k3serve: P/D decode: transfer {side.transfer.address}", flush=True)
+    return side
 
 
 def run_until_stopped(server, loop, stop, grace_s: float, metrics=None) -> int:

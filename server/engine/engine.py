@@ -31,6 +31,7 @@ cost nothing. ``async_scheduling=False`` waits for each step before planning the
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 import time
 from typing import Any, Callable
@@ -129,6 +130,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.broken: BaseException | None = None  # a step failed: the state is half-updated, no more steps
         self._owed: dict[str, Request] = {}  # finished outside a step (abort): final output owed
+        self._fresh: dict[str, Request] = {}  # got tokens outside a step (a P/D handoff): output owed
+        self._on_reserved: dict[str, Callable[[str], None]] = {}  # P/D decode: rid -> callback
         self.warmup_s = 0.0
         self.num_steps = 0
         self.num_preemptions = 0
@@ -180,10 +183,14 @@ class Engine:
         return self.admit(ids, params, rid=rid, priority=priority, cache_salt=cache_salt, api_key=api_key)
 
     def admit(self, ids: list[int], params: SamplingParams | None = None, *, rid: str | None = None,
-              priority: int = 0, cache_salt: str | None = None, api_key: str | None = None) -> str:
+              priority: int = 0, cache_salt: str | None = None, api_key: str | None = None,
+              export: bool = False) -> str:
         """Queue a request whose ``ids`` came from ``validate``. Refuses an id in use; without
-        one, generates an id that no live request has."""
+        one, generates an id that no live request has. ``export`` (a P/D prefill,
+        ``handoff.py``): generate one token, then hand the cache over on the final output."""
         params = params if params is not None else SamplingParams()
+        if export:
+            params = dataclasses.replace(params, max_new_tokens=1)
         if rid is not None and rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
         if rid is None:
@@ -194,10 +201,65 @@ class Engine:
         from .cache.prefix_keys import tenant_salt
 
         req = Request(prompt=list(ids), params=params, rid=rid, priority=priority, seed=seed,
-                      salt=tenant_salt(cache_salt, api_key))
+                      salt=tenant_salt(cache_salt, api_key), export=export)
         self.requests[req.rid] = req
         self.scheduler.add(req)
         return req.rid
+
+    def admit_prefilled(self, ids: list[int], params: SamplingParams | None, handoff=None, *, rid: str,
+                        priority: int = 0, cache_salt: str | None = None, api_key: str | None = None,
+                        on_reserved: Callable[[str], None] | None = None) -> str:
+        """Queue a request whose prompt a P/D prefill engine computes (``handoff.py``; ``ids``
+        from ``validate``). It waits like any request until a slot and pages for ``prompt + 1``
+        tokens are free and reserves them; then the handoff (given here, or later by
+        :meth:`deliver`; ``on_reserved(rid)`` is called on reservation) is written into them
+        and it decodes on from the handoff's first token, its first output."""
+        params = params if params is not None else SamplingParams()
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in use")
+        if handoff is not None:
+            self._check_handoff(ids, handoff)
+        seed = params.seed if params.seed is not None else random.getrandbits(31)
+        from .cache.prefix_keys import tenant_salt
+
+        req = Request(prompt=list(ids), params=params, rid=rid, priority=priority, seed=seed,
+                      salt=tenant_salt(cache_salt, api_key), prefilled=handoff, awaiting=True)
+        self.requests[rid] = req
+        if on_reserved is not None:
+            self._on_reserved[rid] = on_reserved
+        self.scheduler.add(req)
+        return rid
+
+    def deliver(self, rid: str, handoff) -> bool:
+        """The handoff of a request queued by :meth:`admit_prefilled`: written into its
+        reservation now, or when it gets one. False if the request is gone (aborted)."""
+        req = self.requests.get(rid)
+        if req is None or req.finished or not req.awaiting:
+            return False
+        self._check_handoff(req.prompt, handoff)
+        req.prefilled = handoff
+        if req.rid in self.cache_mgr:  # reserved
+            self._take_handoff(req)
+        return True
+
+    def _check_handoff(self, ids, handoff) -> None:
+        if handoff.prompt_len != len(ids):
+            raise RequestError(f"the handoff covers {handoff.prompt_len} tokens, the prompt has {len(ids)}")
+        if not 0 <= handoff.first_token < self.model.config.vocab_size:
+            raise OutOfRangeError(f"first token {handoff.first_token} out of range")
+
+    def _take_handoff(self, req: Request) -> None:
+        """Write the handoff into the request's reservation; its first token is its first output."""
+        h = req.prefilled
+        self.cache_mgr.import_request(req.rid, h.arrays, h.prompt_len)
+        req.prefilled, req.awaiting = None, False
+        req.cached_tokens = h.cached_tokens
+        req.output.append(int(h.first_token))
+        if req.params.logprobs is not None and h.logprob is not None:
+            lp, top = h.logprob
+            req.logprobs.append((float(lp), [(int(a), float(b)) for a, b in top[:req.params.logprobs]]))
+        self._fresh[req.rid] = req
+        self._check_stop(req, req.output[0])
 
     def abort(self, rid: str) -> bool:
         req = self.requests.get(rid)
@@ -210,10 +272,13 @@ class Engine:
         return self.scheduler.has_work() or self._inflight is not None
 
     def has_owed_outputs(self) -> bool:
-        """Some request finished outside a step (abort) and the next step owes its final output."""
-        return bool(self._owed)
+        """Some request finished outside a step (abort) or got its first token from a P/D
+        handoff, and the next step owes its output."""
+        return bool(self._owed or self._fresh)
 
     def _finish(self, req: Request, reason: str, matched=None) -> None:
+        self._on_reserved.pop(req.rid, None)
+        req.prefilled = None
         self.scheduler.remove(req)
         self.runner.release(req.rid)
         self._owed[req.rid] = req
@@ -244,6 +309,14 @@ class Engine:
         # requests aborted since the last step still owe their final output
         touched: dict[str, Request] = dict(self._owed)
         step_plan = self.scheduler.schedule()
+        for req in step_plan.reserved:  # P/D decode: a slot and pages wait for the handoff
+            cb = self._on_reserved.pop(req.rid, None)
+            if req.prefilled is not None:
+                self._take_handoff(req)
+            elif cb is not None:
+                cb(req.rid)
+        touched.update(self._fresh)
+        self._fresh.clear()
         self.num_preemptions += len(step_plan.preempted)
         for req in step_plan.preempted:
             self.runner.release(req.rid)  # its token table row is rebuilt when it runs again
@@ -286,7 +359,8 @@ class Engine:
             outputs.append(RequestOutput(req.rid, req.output[req.emitted:], req.output if fin else None, fin,
                                          req.finish_reason, req.matched_stop, len(req.prompt), n,
                                          req.logprobs if fin and lp else None, req.cached_tokens or 0,
-                                         req.logprobs[req.emitted:] if lp else None))
+                                         req.logprobs[req.emitted:] if lp else None,
+                                         req.handoff if fin else None))
             req.emitted = n
             if fin:
                 del self.requests[req.rid]
@@ -310,9 +384,20 @@ class Engine:
                 n = req.params.logprobs
                 req.logprobs.append((float(out.logprob[i]),
                                      [(int(a), float(b)) for a, b in zip(out.top_ids[i][:n], out.top_logprobs[i][:n])]))
+            if req.export:  # P/D prefill: read the cache out before it is freed (handoff.py)
+                self._export(req, tok)
+                continue
             self._check_stop(req, tok)
             if self.prefix_cache is not None and not req.finished:
                 self.prefix_cache.register_ready(req)  # snapshots waiting for this token to be keyed
+
+    def _export(self, req: Request, tok: int) -> None:
+        from .handoff import Handoff
+
+        arrays = self.cache_mgr.export_request(req.rid, len(req.prompt))
+        req.handoff = Handoff(len(req.prompt), tok, req.logprobs[0] if req.logprobs else None,
+                              req.cached_tokens or 0, arrays)
+        self._finish(req, "length")
 
     def _check_stop(self, req: Request, tok: int) -> None:
         p = req.params

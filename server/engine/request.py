@@ -84,6 +84,10 @@ class Request:
     chain: object = None  # prefix keys over the known tokens (prefix.PrefixChain), grown lazily
     chain_len: int = 0  # tokens the chain has consumed
     stop_text: object = None  # [incremental detokenizer, last max(len(stop)) - 1 chars] (stop strings)
+    export: bool = False  # P/D prefill: hand the cache over after the first token (handoff.py)
+    handoff: object = None  # the exported handoff.Handoff, on the final output
+    prefilled: object = None  # P/D decode: the handoff.Handoff to write into the reservation
+    awaiting: bool = False  # P/D decode: holds (or waits for) a reservation, no handoff taken yet
 
     def __post_init__(self):
         if not self.rid:
@@ -147,3 +151,4 @@ class RequestOutput:
     logprobs: list | None = None  # finished output: per output token (logprob, [(id, logprob), ...])
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     new_logprobs: list | None = None  # the logprobs of ``new_token_ids`` (when logprobs were asked)
+    handoff: object = None  # P/D prefill: the final output's handoff.Handoff

@@ -42,6 +42,7 @@ class ScheduledRow:
 class StepPlan:
     rows: list[ScheduledRow]
     preempted: list[Request]
+    reserved: list[Request] = dataclasses.field(default_factory=list)  # P/D decode: slot + pages held
 
     @property
     def num_tokens(self) -> int:
@@ -66,7 +67,8 @@ class Scheduler:
         self.waiting.insert(bisect.bisect(keys, req.sort_key()), req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Something to admit or to run (a P/D reservation waiting for its handoff is neither)."""
+        return bool(self.waiting) or any(not r.awaiting for r in self.running)
 
     def remove(self, req: Request) -> None:
         """Take a request out (finish or abort) and free what it holds."""
@@ -108,7 +110,7 @@ class Scheduler:
         # decode rows first (one token each), then prefill chunks from what is left of the
         # budget, oldest first within each: a long prefill never delays a decoding request
         for req in sorted(self.running, key=lambda r: (r.remaining > 1, r.sort_key())):
-            if req.status is not Status.RUNNING or len(plan.rows) >= self.max_num_seqs or budget <= 0:
+            if req.status is not Status.RUNNING or req.awaiting or len(plan.rows) >= self.max_num_seqs or budget <= 0:
                 continue
             if self._complete(req):
                 continue
@@ -116,8 +118,11 @@ class Scheduler:
             while not self._grow(req, req.num_computed + n):
                 # only a request of the same attention DP group frees pages this one can use
                 group = self.cache_mgr.group_of(req.rid)
+                # (not one whose last token is on its way back: it is about to leave anyway, and a
+                # P/D prefill must still read its cache out)
                 victims = [r for r in self.running if r.rid not in scheduled and r is not req
-                           and self.cache_mgr.group_of(r.rid) == group]
+                           and self.cache_mgr.group_of(r.rid) == group and not self._complete(r)
+                           and not r.awaiting]
                 victim = max(victims + [req], key=Request.sort_key)  # the newest request yields
                 self._preempt(victim, plan)
                 if victim is req:
@@ -131,7 +136,8 @@ class Scheduler:
         for req in list(self.waiting):
             if len(plan.rows) >= self.max_num_seqs or budget <= 0 or plan.preempted:
                 break
-            hit = self.prefix_cache.lookup(req) if self.prefix_cache is not None else None
+            pre = req.awaiting  # P/D decode: the prompt is computed elsewhere, its cache arrives
+            hit = self.prefix_cache.lookup(req) if self.prefix_cache is not None and not pre else None
             if hit == "wait":
                 continue  # another running request is computing this prefix: resume from it later
             if hit is not None and hit.group is not None and not self.cache_mgr.admit(req.rid, group=hit.group,
@@ -143,6 +149,17 @@ class Scheduler:
                 self._release(req)
                 req.num_computed = 0
                 break
+            if pre:  # reserve the prompt and the first token; no row until the handoff is in
+                req.num_computed = len(req.prompt)
+                if not self._grow(req, len(req.prompt) + 1):
+                    self._release(req)
+                    req.num_computed = 0
+                    break
+                self.waiting.remove(req)
+                self.running.append(req)
+                req.status = Status.RUNNING
+                plan.reserved.append(req)
+                continue
             n = min(req.remaining, self.chunk_size, budget)
             if not self._grow(req, req.num_computed + n):
                 self._release(req)

@@ -177,14 +177,8 @@ class CacheManager:
         """Write host-tier entry ``eid`` (a ``tokens``-long prefix) into ``rid``'s pages, which
         must cover it, and its slot."""
         req = self._req(rid)
-        P = cdiv(tokens, self.page_size)
-        if len(req.pages) < P:
-            raise ValueError(f"request {rid!r} holds {len(req.pages)} pages, fewer than the {P} to load")
+        idx, pos0 = self._prefix_index(req, tokens)  # padded as the offload gathered them
         self.flush_copies()
-        # the page count padded to a power of two with repeats of the first page (the same write),
-        # as the offload gathered them; each page's first position, for the mask past the prefix
-        idx = np.asarray(pad_pow2(req.pages[:P]), np.int32)
-        pos0 = np.asarray(pad_pow2([p * self.page_size for p in range(P)]), np.int32)
         self.dispatch("host_reload", eid, idx, pos0, req.slot, tokens)
 
     def drop_host(self, eid: int) -> None:
@@ -205,11 +199,47 @@ class CacheManager:
         return sum(int(a.size) * a.dtype.itemsize for a in (state, conv)) + tokens * row_bytes
 
     def _run_reload(self, eid: int, idx: np.ndarray, pos0: np.ndarray, slot: int, tokens: int) -> None:
-        state, conv, rows = self._host[eid].device_arrays()
+        self._load(self._host[eid].device_arrays(), idx, pos0, slot, tokens, f"host entry {eid}")
+
+    def _load(self, arrays, idx: np.ndarray, pos0: np.ndarray, slot: int, tokens: int, what: str) -> None:
+        state, conv, rows = arrays
         if rows.shape[1] != len(idx):
-            raise ValueError(f"host entry {eid} holds {rows.shape[1]} pages, the reload writes {len(idx)}")
+            raise ValueError(f"{what} holds {rows.shape[1]} pages, the load writes {len(idx)}")
         self.device_cache = self._program("load")(self.device_cache, jnp.asarray(idx), jnp.asarray(pos0), rows,
                                                   jnp.int32(tokens), jnp.int32(slot), state, conv)
+
+    # ------------------------------------------------------------------ P/D handoff (one process)
+    def _prefix_index(self, req: _Request, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first ``ceil(tokens / page_size)`` pages of ``req`` padded to a power of two with
+        repeats of the first (the same gather or write), and each page's first position."""
+        P = cdiv(tokens, self.page_size)
+        if len(req.pages) < P:
+            raise ValueError(f"the request holds {len(req.pages)} pages, fewer than the {P} of {tokens} tokens")
+        idx = np.asarray(pad_pow2(req.pages[:P]), np.int32)
+        pos0 = np.asarray(pad_pow2([p * self.page_size for p in range(P)]), np.int32)
+        return idx, pos0
+
+    def export_request(self, rid: Hashable, tokens: int) -> tuple:
+        """``rid``'s KDA state and conv window (its slot) and the MLA rows of its first
+        ``tokens`` tokens, as new device arrays ``(state [nK, H, dk, dv], conv [nK, W-1, 3P],
+        rows [nM, P', page_size, W])`` (``P'``: pages padded to a power of two). Dispatched
+        after every step launched so far, so the request may be released right after."""
+        if self.dispatch.num_processes > 1:
+            raise NotImplementedError("a P/D handoff out of a multi-process engine is not supported yet")
+        req = self._req(rid)
+        self.flush_copies()
+        idx, _ = self._prefix_index(req, tokens)
+        return self._program("read")(self.device_cache, jnp.int32(req.slot), jnp.asarray(idx))
+
+    def import_request(self, rid: Hashable, arrays: tuple, tokens: int) -> None:
+        """Write an :meth:`export_request` of another engine (same model, page size and padding)
+        into ``rid``'s pages, which must cover ``tokens``, and its slot."""
+        if self.dispatch.num_processes > 1:
+            raise NotImplementedError("a P/D handoff into a multi-process engine is not supported yet")
+        req = self._req(rid)
+        self.flush_copies()
+        idx, pos0 = self._prefix_index(req, tokens)
+        self._load(arrays, idx, pos0, req.slot, tokens, "the handoff")
 
     def _run_drop(self, eid: int) -> None:
         self._host.pop(eid, None)

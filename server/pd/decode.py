@@ -1,0 +1,147 @@
+"""The decode side: reserve, await the prefill's handoff, pull it, deliver it to the engine.
+
+A request with ``disaggregated_params`` is submitted to the engine as a P/D decode
+(``EngineThread.submit(on_reserved=...)``): it queues like any request until a slot and pages
+for ``prompt + 1`` tokens are free. On reservation a worker thread (never the engine thread)
+registers with the prefill's bootstrap service (once per prefill), calls ``AwaitHandoff`` (the
+prefill starts computing only then), checks the announced room, prompt and array shapes
+against its own, pulls the arrays through the transfer endpoint with a deadline, releases
+the room and hands the arrays to the engine (``EngineThread.deliver``). Any failure ends that
+request alone with a gRPC status (UNAVAILABLE when the prefill is unreachable or died,
+DEADLINE_EXCEEDED, FAILED_PRECONDITION for incompatible servers) and frees its reservation.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from ..engine.handoff import Handoff
+from . import bootstrap_pb2 as pb
+from . import bootstrap_pb2_grpc as pb_grpc
+from .layout import cache_layout, handoff_specs, incompatibility, prompt_crc32
+from .prefill import HandoffError
+from .transfer import TransferEndpoint, wait_ready
+
+
+class DecodeSide:
+    def __init__(self, engine, *, host: str = "127.0.0.1", await_s: float = 120.0, transfer_s: float = 60.0):
+        self.engine = engine
+        self.await_s, self.transfer_s = await_s, transfer_s
+        self.transfer = TransferEndpoint(host)
+        self.layout = cache_layout(engine)
+        self.decode_id = f"decode@{self.transfer.address}"
+        self.pool = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="k3-pd-pull")
+        self._lock = threading.Lock()
+        self._stubs: dict[str, pb_grpc.BootstrapStub] = {}
+        self._registered: dict[str, str | None] = {}  # bootstrap address -> None (ok) or why not
+        self.waiting = 0  # submitted, no reservation yet
+        self.transferring = 0  # reserved, handoff not delivered yet
+        self.bytes_received = 0
+        self.handoffs = 0
+        self.transfer_time_s = 0.0  # pull start -> arrays ready, summed
+        self.last_latency_s = 0.0
+
+    # ------------------------------------------------------------------ per request
+    def submit(self, loop, ids, params, *, rid: str, dparams, **kw):
+        """Submit a P/D decode request; its handoff is fetched once it has a reservation."""
+        addr = f"{dparams.bootstrap_host or '127.0.0.1'}:{dparams.bootstrap_port or 8998}"
+        room = int(dparams.bootstrap_room)
+        with self._lock:
+            self.waiting += 1
+
+        def on_reserved(r: str) -> None:  # engine thread: hand over to a worker, never block
+            with self._lock:
+                self.waiting -= 1
+                self.transferring += 1
+            self.pool.submit(self._fetch, loop, r, addr, room, list(ids))
+
+        try:
+            return loop.submit(ids, params, rid=rid, on_reserved=on_reserved, **kw)
+        except BaseException:
+            with self._lock:
+                self.waiting -= 1
+            raise
+
+    def _fetch(self, loop, rid: str, addr: str, room: int, ids: list[int]) -> None:
+        try:
+            handoff = self._handoff(rid, addr, room, ids, alive=lambda: loop.in_flight(rid))
+        except HandoffError as e:
+            loop.fail_request(rid, e)
+        except grpc.RpcError as e:
+            code = e.code().name if e.code() is not None else "UNAVAILABLE"
+            if code not in ("FAILED_PRECONDITION", "DEADLINE_EXCEEDED", "CANCELLED"):
+                code = "UNAVAILABLE"
+            loop.fail_request(rid, HandoffError(code, f"P/D handoff from the prefill at {addr} failed: "
+                                                      f"{e.details() or e.code()}"))
+        except Exception as e:  # a bug here must fail the request, not leave it reserved forever
+            loop.fail_request(rid, HandoffError("INTERNAL", f"P/D handoff failed: {e!r}"))
+        else:
+            loop.deliver(rid, handoff)
+        finally:
+            with self._lock:
+                self.transferring -= 1
+
+    def _stub(self, addr: str) -> pb_grpc.BootstrapStub:
+        with self._lock:
+            stub = self._stubs.get(addr)
+            if stub is None:
+                stub = self._stubs[addr] = pb_grpc.BootstrapStub(grpc.insecure_channel(addr))
+            known = addr in self._registered
+        if not known:
+            r = stub.Register(pb.RegisterRequest(decode_id=self.decode_id, layout=self.layout), timeout=10)
+            why = None if r.compatible else r.reason
+            why = why or incompatibility(self.layout, r.layout)
+            with self._lock:
+                self._registered[addr] = why
+        why = self._registered[addr]
+        if why is not None:
+            raise HandoffError("FAILED_PRECONDITION", f"the prefill at {addr} cannot hand over to this server: {why}")
+        return stub
+
+    def _handoff(self, rid: str, addr: str, room: int, ids: list[int], alive=lambda: True) -> Handoff:
+        stub = self._stub(addr)
+        crc = prompt_crc32(ids)
+        call = stub.AwaitHandoff.future(pb.AwaitHandoffRequest(
+            decode_id=self.decode_id, bootstrap_room=room, request_id=rid, prompt_len=len(ids), prompt_crc32=crc,
+            layout=self.layout), timeout=self.await_s)
+        done = threading.Event()
+        call.add_done_callback(lambda _: done.set())
+        while not done.wait(0.05):
+            if not alive():  # aborted here: leaving the call tells the prefill to drop the room
+                call.cancel()
+                raise HandoffError("CANCELLED", f"request {rid!r} was aborted while its prefill ran")
+        msg = call.result()
+        if (msg.bootstrap_room, msg.request_id, msg.prompt_crc32, msg.prompt_len) != (room, rid, crc, len(ids)):
+            raise HandoffError("INTERNAL", f"bootstrap room {room}: the prefill answered for another request "
+                                           f"(room {msg.bootstrap_room}, id {msg.request_id!r})")
+        specs = handoff_specs(self.engine, len(ids))
+        got = [(tuple(a.shape), a.dtype) for a in msg.arrays]
+        if got != specs:
+            raise HandoffError("FAILED_PRECONDITION", f"the prefill announced arrays {got}, this server expects {specs}")
+        t = time.monotonic()
+        arrays = self.transfer.pull(msg.transfer_address, msg.transfer_uuid, specs)
+        ok = wait_ready(arrays, self.transfer_s)
+        dt = time.monotonic() - t
+        try:
+            stub.Release(pb.ReleaseRequest(bootstrap_room=room, request_id=rid, pulled=ok), timeout=5)
+        except grpc.RpcError:
+            pass  # the room expires on its own; the arrays are here (or will never be)
+        if not ok:
+            raise HandoffError("UNAVAILABLE", f"the KV transfer from {msg.transfer_address} did not complete within "
+                                              f"{self.transfer_s:.0f} s (the prefill server may have died)")
+        with self._lock:
+            self.bytes_received += int(msg.nbytes)
+            self.handoffs += 1
+            self.transfer_time_s += dt
+            self.last_latency_s = dt
+        lp = None
+        if msg.HasField("first_logprob"):
+            f = msg.first_logprob
+            lp = (f.logprob, list(zip(f.top_ids, f.top_logprobs)))
+        return Handoff(len(ids), int(msg.first_token), lp, int(msg.cached_tokens), tuple(arrays))
+
+    def stop(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

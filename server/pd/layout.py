@@ -1,0 +1,54 @@
+"""What a prefill and a decode engine must agree on before raw arrays move between them:
+the cache's shapes and dtypes (a fingerprint of the model config) and the page size. Both
+sides compute the arrays of one handoff from the prompt length alone, so the decode checks the
+prefill's announcement against its own expectation before it pulls a byte."""
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+
+import numpy as np
+
+from ...intmath import cdiv, next_pow2
+from ...model.cache import cache_shapes
+from . import bootstrap_pb2 as pb
+
+
+def cache_layout(engine) -> "pb.CacheLayout":
+    cfg, plan = engine.model.config, engine.capacity_plan
+    shapes = cache_shapes(cfg, 1, 1, plan.page_size, engine.model.dtype)
+    desc = {k: [list(s), str(np.dtype(d))] for k, (s, d) in sorted(shapes.items())}
+    desc.update(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, layers=cfg.num_hidden_layers)
+    fp = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:32]
+    return pb.CacheLayout(model_fingerprint=fp, page_size=plan.page_size, kv_dtype=str(np.dtype(engine.model.dtype)),
+                          dcp_size=plan.dcp)
+
+
+def incompatibility(mine: "pb.CacheLayout", theirs: "pb.CacheLayout") -> str | None:
+    """Why a handoff between the two layouts cannot work, or None."""
+    if mine.model_fingerprint != theirs.model_fingerprint:
+        return "the two servers hold different models (cache fingerprints differ)"
+    if mine.page_size != theirs.page_size:
+        return f"page sizes differ ({theirs.page_size} there, {mine.page_size} here)"
+    if mine.kv_dtype != theirs.kv_dtype:
+        return f"cache dtypes differ ({theirs.kv_dtype} there, {mine.kv_dtype} here)"
+    if mine.dcp_size != 1 or theirs.dcp_size != 1:
+        return "a P/D handoff between sharded (DCP) caches is not supported yet"
+    return None
+
+
+def handoff_specs(engine, prompt_len: int) -> list[tuple[tuple[int, ...], str]]:
+    """``(shape, dtype)`` of the arrays of a ``prompt_len``-token handoff, in order: KDA state,
+    conv windows (one slot of each), MLA rows of the prompt's pages padded to a power of two
+    (``CacheManager.export_request``)."""
+    cfg, ps = engine.model.config, engine.capacity_plan.page_size
+    shapes = cache_shapes(cfg, 1, 1, ps, engine.model.dtype)
+    (st, st_d), (cv, cv_d), (kv, kv_d) = (shapes[k] for k in ("kda_state", "kda_conv", "mla_kv"))
+    pages = next_pow2(cdiv(prompt_len, ps))
+    return [((st[0],) + tuple(st[2:]), str(np.dtype(st_d))), ((cv[0],) + tuple(cv[2:]), str(np.dtype(cv_d))),
+            ((kv[0], pages) + tuple(kv[2:]), str(np.dtype(kv_d)))]
+
+
+def prompt_crc32(ids) -> int:
+    return zlib.crc32(np.asarray(ids, "<u4").tobytes())

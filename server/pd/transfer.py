@@ -1,0 +1,58 @@
+"""The data plane: JAX's transfer server (``jax.experimental.transfer``), one per server process.
+
+The prefill *stages* a handoff's arrays under a 64-bit id (``await_pull``, with a deadline after
+which the server drops them: a decode that never pulls costs nothing for long); the decode
+*pulls* them by that id onto its own device. A pull returns at once with arrays that become
+ready when the bytes have arrived, and never if the prefill died: :func:`wait_ready` polls them
+against a deadline so that a lost prefill is an error, never a hang. The transfer copies raw
+shards and never reshards (a pull with another layout returns wrong values silently), so both
+sides check :mod:`.layout` first and each array is pulled whole onto one device.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import jax
+
+
+class TransferEndpoint:
+    def __init__(self, host: str = "127.0.0.1", device=None):
+        from jax.experimental import transfer
+
+        self.device = device if device is not None else jax.devices()[0]
+        self.server = transfer.start_transfer_server(self.device.client, f"{host}:0", [f"{host}:0"])
+        self.address = self.server.address()
+        self._conns: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def stage(self, uuid: int, arrays, timeout_s: float) -> None:
+        """Offer ``arrays`` for one pull under ``uuid``; dropped after ``timeout_s`` unpulled."""
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+        self.server.await_pull(uuid, list(arrays), timeout=deadline)
+
+    def pull(self, address: str, uuid: int, specs) -> list:
+        """Start pulling ``uuid`` from the endpoint at ``address``: arrays of ``specs``
+        (``(shape, dtype)`` pairs) on this endpoint's device, not ready yet."""
+        with self._lock:
+            conn = self._conns.get(address)
+            if conn is None:
+                conn = self._conns[address] = self.server.connect(address)
+        sharding = jax.sharding.SingleDeviceSharding(self.device)
+        return conn.pull(uuid, [jax.ShapeDtypeStruct(tuple(s), d, sharding=sharding) for s, d in specs])
+
+
+def wait_ready(arrays, timeout_s: float, poll_s: float = 0.002) -> bool:
+    """True once every array is ready; False if ``timeout_s`` passed first."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(arrays)
+    while pending:
+        pending = [a for a in pending if not a.is_ready()]
+        if not pending:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+        poll_s = min(poll_s * 2, 0.05)
+    return True

@@ -1,0 +1,159 @@
+"""P/D handoff between two engines in one process (issue #16, ``server/engine/handoff.py``).
+
+A prefill engine admits each request with ``export=True``: it computes the prompt, samples the
+first token and hands over its KDA state, conv windows and MLA pages. A decode engine admits it
+with ``admit_prefilled`` and continues. The decode's outputs must be token-identical to one
+unified engine's — greedy, seeded sampling with penalties, logprobs — for prompts that end
+inside a page, on a page boundary and across several pages, with the prefix cache on and a
+second turn that hits it on the prefill side. A handoff whose KDA state is zeroed must change
+the output (so the suite would see a state that was never sent). Nothing leaks on either side.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from _util import assert_all_free, golden, load_case, run_to_end
+from k3serve.server.engine.engine import Engine
+from k3serve.server.engine.sampling_params import SamplingParams
+
+CASE = "k3-tiny-a"
+# as test_engine.py and test_grpc_server.py: the compiled programs are shared (conftest cache)
+KW = dict(max_num_seqs=4, max_num_batched_tokens=40, chunk_size=16, page_size=16, max_model_len=128, num_pages=48)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    m = load_case(CASE)
+    return {name: Engine(m, **KW) for name in ("unified", "prefill", "decode")}
+
+
+def _prompts():
+    g = golden(CASE)
+    base = [list(map(int, g[f"input_ids_{i}"])) for i in range(3)]
+    # lengths: inside a page, exactly two pages, several pages
+    return [base[0][:13], (base[1] * 4)[:32], (base[1] + base[2]) * 2]
+
+
+def _pd(engines, prompts, params, zero_state=False):
+    pre, dec = engines["prefill"], engines["decode"]
+    rids = [pre.admit(pre.validate(p, params), params, rid=f"p{i}", export=True) for i, p in enumerate(prompts)]
+    outs = run_to_end(pre, rids)
+    for o in outs:
+        assert o.finished and o.finish_reason == "length" and len(o.token_ids) == 1 and o.handoff is not None
+    drids = []
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        h = o.handoff
+        assert h.first_token == o.token_ids[0] and h.prompt_len == len(p)
+        if zero_state:
+            state, conv, rows = h.arrays
+            h = dataclasses.replace(h, arrays=(state * 0, conv, rows))
+        drids.append(dec.admit_prefilled(dec.validate(p, params), params, h, rid=f"d{i}"))
+    return outs, run_to_end(dec, drids)
+
+
+def _unified(engines, prompts, params):
+    eng = engines["unified"]
+    return run_to_end(eng, [eng.add_request(p, params) for p in prompts])
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_new_tokens=9, temperature=0, ignore_eos=True, logprobs=3),
+    SamplingParams(max_new_tokens=9, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True, frequency_penalty=0.5),
+], ids=["greedy-logprobs", "seeded-penalty"])
+def test_decode_output_equals_unified(engines, params):
+    prompts = _prompts()
+    want = _unified(engines, prompts, params)
+    pre_outs, got = _pd(engines, prompts, params)
+    for w, g, p in zip(want, got, pre_outs):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+        assert g.token_ids[0] == p.token_ids[0]
+        if params.logprobs:
+            np.testing.assert_allclose([lp for lp, _ in g.logprobs], [lp for lp, _ in w.logprobs], atol=1e-5)
+            assert [[i for i, _ in top] for _, top in g.logprobs] == [[i for i, _ in top] for _, top in w.logprobs]
+    for eng in engines.values():
+        assert_all_free(eng)
+
+
+def test_second_turn_hits_prefill_prefix_cache(engines):
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    first = _prompts()[2]
+    _, got1 = _pd(engines, [first], params)
+    second = first + got1[0].token_ids + [5, 6, 7, 8, 9]
+    want = _unified(engines, [second], params)
+    pre_outs, got = _pd(engines, [second], params)
+    assert pre_outs[0].cached_tokens > 0 and pre_outs[0].handoff.cached_tokens == pre_outs[0].cached_tokens
+    assert got[0].cached_tokens == pre_outs[0].cached_tokens
+    assert got[0].token_ids == want[0].token_ids
+    for eng in engines.values():
+        assert_all_free(eng)
+
+
+def test_zeroed_kda_state_changes_the_output(engines):
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    prompts = _prompts()
+    want = _unified(engines, prompts, params)
+    _, got = _pd(engines, prompts, params, zero_state=True)
+    assert any(g.token_ids != w.token_ids for g, w in zip(got, want))
+    assert_all_free(engines["decode"])
+
+
+def test_first_token_can_finish_the_decode(engines):
+    """max_new_tokens 1, or a first token that is a stop id: the decode finishes at once,
+    taking no slot or page; an abort of a waiting prefilled request frees nothing it never had."""
+    prompts = _prompts()[:1]
+    params = SamplingParams(max_new_tokens=1, temperature=0)
+    pre_outs, got = _pd(engines, prompts, params)
+    assert got[0].token_ids == pre_outs[0].token_ids and got[0].finish_reason == "length"
+    tok = pre_outs[0].token_ids[0]
+    stop = SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=[tok])
+    _, got = _pd(engines, prompts, stop)
+    assert got[0].token_ids == [tok] and got[0].finish_reason == "stop" and got[0].matched_stop == tok
+    dec = engines["decode"]
+    pre_outs2 = run_to_end(engines["prefill"], [engines["prefill"].admit(prompts[0], params, rid="pa", export=True)])
+    dec.admit_prefilled(prompts[0], SamplingParams(max_new_tokens=5, temperature=0), pre_outs2[0].handoff, rid="da")
+    assert dec.abort("da")
+    outs = run_to_end(dec, [])
+    assert not dec.requests
+    for eng in engines.values():
+        assert_all_free(eng)
+
+
+def test_reserve_then_deliver(engines):
+    """The server's order: the decode queues the request without its handoff, reserves a slot
+    and pages (``on_reserved``), and only then gets the handoff (``deliver``); the first token
+    is output on the step after it. A reservation aborted before its handoff frees everything."""
+    params = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
+    p = _prompts()[1]
+    want = _unified(engines, [p], params)[0]
+    pre, dec = engines["prefill"], engines["decode"]
+    h = run_to_end(pre, [pre.admit(p, params, rid="pr", export=True)])[0].handoff
+    reserved = []
+    dec.admit_prefilled(p, params, rid="dr", on_reserved=reserved.append)
+    dec.admit_prefilled(p, params, rid="dx", on_reserved=reserved.append)
+    free_pages = dec.cache_mgr.num_free_pages
+    outs = dec.step()
+    assert reserved == ["dr", "dx"] and not outs
+    assert dec.cache_mgr.num_free_pages == free_pages - 2 * (-(-(len(p) + 1) // KW["page_size"]))
+    for _ in range(3):  # nothing runs while the handoff is away
+        assert dec.step() == [] and dec.requests["dr"].num_computed == len(p)
+    assert dec.abort("dx")
+    assert dec.deliver("dr", h) and not dec.deliver("dx", h)
+    outs = dec.step()
+    assert [o.new_token_ids for o in outs if o.rid == "dr"] == [[h.first_token]]
+    got = run_to_end(dec, ["dr"])[0]
+    assert got.token_ids == want.token_ids
+    assert_all_free(dec)
+
+
+def test_handoff_is_checked(engines):
+    from k3serve.server.engine.request import RequestError
+
+    pre = engines["prefill"]
+    p = _prompts()[0]
+    h = run_to_end(pre, [pre.admit(p, SamplingParams(temperature=0), rid="pc", export=True)])[0].handoff
+    with pytest.raises(RequestError, match="covers"):
+        engines["decode"].admit_prefilled(p + [1], SamplingParams(), h, rid="dc")
+    assert "dc" not in engines["decode"].requests
