@@ -157,6 +157,10 @@ def cmd_bench(args) -> int:
         from .bench import prefix as bench_prefix
 
         return bench_prefix.main(rest[1:])
+    if rest and rest[0] == "pd":
+        from .bench import pd as bench_pd
+
+        return bench_pd.main(rest[1:])
     if rest and rest[0] == "loop":
         from .bench import loop_latency
 
@@ -369,6 +373,7 @@ BENCH_USAGE = """usage: k3serve bench --server HOST:PORT --trace T.jsonl [--conc
        k3serve bench loop [--model DIR] [--streams 8] [--probes 20]   (submit/abort latency in steps)
        k3serve bench host [--model DIR|demo] [--contexts 1024,16384] [--rows 4] [--penalties] [--stop] ...
        k3serve bench step [--model DIR|demo] [--rows 1,8,32] [--context 128]   (decode step time, roofline)
+       k3serve bench pd [--model DIR|demo] [--sessions 8] ...   (P/D pair vs unified, same trace)
        k3serve bench warmup [--layers 13,49]   (cold warm-up of serve's defaults, demo models by depth)
 (each accepts --help for its flags)"""
 

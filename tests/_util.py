@@ -114,3 +114,56 @@ def assert_all_free(engine) -> None:
     assert mgr.num_free_pages == plan.num_pages
     assert mgr.slots.num_free_snapshots == plan.snapshot_slots
     assert engine.stats()["free_slots"] == plan.max_concurrent_slots
+
+
+def post_json(url: str, body: dict, stream: bool = False, timeout: float = 120):
+    """POST ``body`` as JSON; the parsed answer, or with ``stream`` the list of SSE events."""
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        if not stream:
+            return json.loads(r.read())
+        events = []
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                events.append(json.loads(line[5:]))
+        return events
+
+
+def log_tail(log, n: int = 3000) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-n:]
+
+
+def wait_for_router(base: str, router, log, timeout: float = 120) -> str:
+    """Wait until the router at ``base`` lists a model; returns its id."""
+    import json
+    import time
+    import urllib.request
+
+    t = time.monotonic() + timeout
+    while True:
+        assert router.poll() is None, log_tail(log)
+        try:
+            models = json.loads(urllib.request.urlopen(base + "/v1/models", timeout=2).read())
+            if models.get("data"):
+                return models["data"][0]["id"]
+        except OSError:
+            pass
+        assert time.monotonic() < t, log_tail(log)
+        time.sleep(0.3)
+
+
+def collect_generate(stub, req, timeout: float = 120):
+    """``(chunks, complete)`` of one Generate call."""
+    chunks, complete = [], None
+    for r in stub.Generate(req, timeout=timeout):
+        if r.HasField("chunk"):
+            chunks.append(r.chunk)
+        else:
+            complete = r.complete
+    return chunks, complete

@@ -22,9 +22,18 @@ import pytest
 
 from k3serve.compile_cache import enable_compile_cache
 
-_CACHE = tempfile.mkdtemp(prefix="k3serve-test-xla-")
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-enable_compile_cache(_CACHE, min_compile_secs=1.0)
+# ``<home>/jax``: a ``k3serve serve`` subprocess given ``K3SERVE_CACHE=<home>`` (``cache_home``)
+# opens the very same path, and so hits what this process compiled (the cache's keys differ
+# when the same folder is reached by another path, a symlink included)
+_HOME = tempfile.mkdtemp(prefix="k3serve-test-")
+atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
+_CACHE = enable_compile_cache(f"{_HOME}/jax", min_compile_secs=1.0)
+
+
+@pytest.fixture(scope="session")
+def cache_home() -> str:
+    """``K3SERVE_CACHE`` for subprocesses that should share this session's compiled programs."""
+    return _HOME
 
 
 def _release():

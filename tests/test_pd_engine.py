@@ -21,7 +21,8 @@ from k3serve.server.engine.sampling_params import SamplingParams
 
 CASE = "k3-tiny-a"
 # as test_engine.py and test_grpc_server.py: the compiled programs are shared (conftest cache)
-KW = dict(max_num_seqs=4, max_num_batched_tokens=40, chunk_size=16, page_size=16, max_model_len=128, num_pages=48)
+KW = dict(max_num_seqs=4, max_num_batched_tokens=40, chunk_size=16, page_size=16, max_model_len=128, num_pages=48,
+          warmup=False)  # only the programs used are compiled
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +116,7 @@ def test_first_token_can_finish_the_decode(engines):
     pre_outs2 = run_to_end(engines["prefill"], [engines["prefill"].admit(prompts[0], params, rid="pa", export=True)])
     dec.admit_prefilled(prompts[0], SamplingParams(max_new_tokens=5, temperature=0), pre_outs2[0].handoff, rid="da")
     assert dec.abort("da")
-    outs = run_to_end(dec, [])
+    run_to_end(dec, [])
     assert not dec.requests
     for eng in engines.values():
         assert_all_free(eng)

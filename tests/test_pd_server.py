@@ -15,7 +15,7 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from _util import DATA, assert_all_free, golden, load_case
+from _util import DATA, assert_all_free, collect_generate as _collect, golden, load_case
 from k3serve.server.api.engine_thread import EngineThread
 from k3serve.server.api.grpc_service import GrpcServer, Servicer
 from k3serve.server.engine.engine import Engine
@@ -27,7 +27,7 @@ CASE = "k3-tiny-a"
 
 def _engine():  # as test_engine.py / test_grpc_server.py: the compiled programs are shared
     return Engine(load_case(CASE), max_num_seqs=4, max_num_batched_tokens=40, chunk_size=16, page_size=16,
-                  max_model_len=128, num_pages=48)
+                  max_model_len=128, num_pages=48, warmup=False)
 
 
 class Server:
@@ -78,16 +78,6 @@ def _req(ids, rid, max_new=8, stream=True, room=None, port=None, logprobs=None, 
     return r
 
 
-def _collect(stub, req, timeout=120):
-    chunks, complete = [], None
-    for r in stub.Generate(req, timeout=timeout):
-        if r.HasField("chunk"):
-            chunks.append(r.chunk)
-        else:
-            complete = r.complete
-    return chunks, complete
-
-
 def _dual(pd, req):
     """smg's parallel dispatch: both legs at once; returns (prefill leg, decode leg)."""
     box = {}
@@ -112,9 +102,9 @@ def _prompts():
     return [base[0][:13], (base[1] * 4)[:32], (base[1] + base[2]) * 2]  # in a page, two pages, three
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
-@pytest.mark.parametrize("sp", [dict(temperature=0), dict(temperature=0.8, top_p=0.9, frequency_penalty=0.3)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize("stream,sp", [(True, dict(temperature=0)),
+                                       (False, dict(temperature=0.8, top_p=0.9, frequency_penalty=0.3))],
+                         ids=["stream-greedy", "unary-seeded"])
 def test_pd_equals_unified(pd, stream, sp):
     sp = dict(sp)
     for i, ids in enumerate(_prompts()):
@@ -198,3 +188,16 @@ def test_faults_end_one_request_and_leak_nothing(pd):
     want = _collect(pd["unified"].stub, _req(ids, "after-u", temperature=0))[1]
     _, (_, ddone) = _dual(pd, _req(ids, "after", temperature=0, room=8, port=pre.side.port))
     assert list(ddone.output_ids) == list(want.output_ids)
+
+
+def test_first_token_that_stops_ends_the_decode_at_once(pd):
+    """The prefill's first token is a stop id: the decode emits it and finishes with "stop"
+    (its engine thread sleeps on its inbox meanwhile: the output must still go out)."""
+    ids = _prompts()[0]
+    first = _collect(pd["unified"].stub, _req(ids, "stop-u", temperature=0, max_new=1))[1].output_ids[0]
+    (_, pdone), (_, ddone) = _dual(pd, _req(ids, "stop-pd", temperature=0, stop_token_ids=[first], room=9,
+                                            port=pd["prefill"].side.port))
+    assert list(ddone.output_ids) == [first] and ddone.finish_reason == "stop"
+    assert ddone.matched_token_id == first
+    for s in pd.values():
+        s.check_free()

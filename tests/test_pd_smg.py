@@ -1,12 +1,19 @@
-"""P/D through the router nobody here wrote: PyPI ``smg`` in ``--pd-disaggregation`` mode in
-front of a k3serve prefill server and a k3serve decode server (issue #16). smg sends each
-request to both at once with the same bootstrap room; its output must be token-identical to a
-unified k3serve asked directly, for completions and chat, streaming and not, and 16
-concurrent requests with some cancelled must leave no page or slot held on either side."""
+"""P/D as deployed (issue #16): ``k3serve serve --role prefill`` and ``--role decode``, each its
+own process, and PyPI ``smg`` in ``--pd-disaggregation`` mode in front of them. smg sends each
+request to both servers at once with the same bootstrap room. Its output must be
+token-identical to a unified k3serve asked directly: completions and chat, streaming and not,
+and a second turn that hits the prefill's prefix cache. 16 concurrent streams, with every third
+one hung up, leave no request, page or room held on either side. Then the kill tests: a decode
+killed after it registered its room (the prefill frees it within its staging deadline and
+serves on), and a prefill killed while a decode waits for it (that request fails UNAVAILABLE
+within seconds, nothing leaks, and the decode serves on with a live prefill)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -16,119 +23,158 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from _util import assert_all_free, free_port, tiny_text_checkpoint, tool_path
+from _util import (assert_all_free, free_port, log_tail, post_json as _post, tiny_text_checkpoint, tool_path,
+                   wait_for_router)
 
 SMG = tool_path("smg")
 pytestmark = [pytest.mark.skipif(SMG is None, reason="smg (dev extra) is not installed"),
-              pytest.mark.slow]  # three k3serve servers in this process and the smg router in its own
+              pytest.mark.slow]  # two server processes, the router, and two in-process engines
+
+# the engine of test_smg_router.py: one of the two modules compiles it, the other loads it
+FLAGS = ["--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--chunk-size", "32", "--page-size", "16",
+         "--max-model-len", "256"]
+ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=64, chunk_size=32, page_size=16, max_model_len=256)
 
 
-def _server(ckpt, tok, role, **pd):
-    from k3serve.model import load_pretrained
-    from k3serve.server.api.engine_thread import EngineThread
-    from k3serve.server.api.grpc_service import GrpcServer, Servicer
-    from k3serve.server.engine.engine import Engine
-    from k3serve.server.pd.decode import DecodeSide
-    from k3serve.server.pd.prefill import PrefillSide
+class Local:
+    """An in-process server: the unified reference, or the decode of the prefill-kill test."""
 
-    eng = Engine(load_pretrained(ckpt), max_num_seqs=4, max_num_batched_tokens=64, chunk_size=32, page_size=16,
-                 max_model_len=256, detokenizer=tok.detokenizer)
-    loop = EngineThread(eng)
-    servicer = Servicer(model_dir=ckpt, served_model_name="k3-tiny-text")
-    server = GrpcServer(servicer, host="127.0.0.1", port=0)
-    side = None
-    if role == "prefill":
-        side = servicer.pd_prefill = PrefillSide(eng, host="127.0.0.1", bootstrap_port=pd["bootstrap_port"])
-    elif role == "decode":
-        side = servicer.pd_decode = DecodeSide(eng)
-    server.set_ready(loop)
-    return {"server": server, "loop": loop, "side": side, "port": server.port}
+    def __init__(self, ckpt, tok, role):
+        from k3serve.model import load_pretrained
+        from k3serve.server.api.engine_thread import EngineThread
+        from k3serve.server.api.grpc_service import GrpcServer, Servicer
+        from k3serve.server.engine.engine import Engine
+        from k3serve.server.pd.decode import DecodeSide
+
+        self.loop = EngineThread(Engine(load_pretrained(ckpt), detokenizer=tok.detokenizer, **ENGINE))
+        self.servicer = Servicer(model_dir=ckpt)
+        self.server = GrpcServer(self.servicer, host="127.0.0.1", port=0)
+        self.side = self.servicer.pd_decode = DecodeSide(self.loop.engine, transfer_s=10) if role == "decode" else None
+        self.server.set_ready(self.loop)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.port}")
+        self.stub = pb_grpc.SglangSchedulerStub(self.channel)
+
+    def close(self):
+        self.channel.close()
+        self.server.shutdown(grace_s=5)
+        if self.side is not None:
+            self.side.stop()
+
+
+class Proc:
+    """``k3serve serve --role ROLE`` in its own process."""
+
+    def __init__(self, ckpt, role, env, boot=None):
+        self.port, self.boot = free_port(), boot
+        extra = ["--bootstrap-port", str(boot), "--pd-wait", "5", "--pd-transfer-timeout", "5"] if boot else []
+        self.proc = subprocess.Popen([sys.executable, "-m", "k3serve.server.cli", "serve", "--model", str(ckpt),
+                                      "--port", str(self.port), "--metrics-port", "-1", "--role", role, *FLAGS,
+                                      *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = pb_grpc.SglangSchedulerStub(self.channel)
+
+    def wait_healthy(self, timeout=300):
+        t = time.monotonic() + timeout
+        while time.monotonic() < t:
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            try:
+                if self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=2).healthy:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("server never became healthy")
+
+    def load(self):
+        return self.stub.GetLoads(pb.GetLoadsRequest(), timeout=10).loads[0]
+
+    def idle(self) -> bool:
+        """Nothing running or waiting, no page held by a request, no P/D queue."""
+        ld = self.load()
+        d = ld.disaggregation
+        return (ld.num_running_reqs == ld.num_waiting_reqs == ld.num_used_tokens == 0
+                and d.prefill_prealloc_queue_reqs == d.prefill_inflight_queue_reqs == 0
+                and d.decode_prealloc_queue_reqs == d.decode_transfer_queue_reqs == 0)
+
+    def close(self):
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, cache_home):
     from k3serve.server.text.tokenizer import load_tokenizer
 
     ckpt = tiny_text_checkpoint(tmp_path_factory.mktemp("ckpt"))
     tok = load_tokenizer(ckpt)
-    boot = free_port()
-    servers = {"unified": _server(ckpt, tok, "unified"), "prefill": _server(ckpt, tok, "prefill", bootstrap_port=boot),
-               "decode": _server(ckpt, tok, "decode")}
-    http, prom = free_port(), free_port()
-    log = open(tmp_path_factory.mktemp("smg") / "smg.log", "w+")
-    router = subprocess.Popen([SMG, "launch", "--pd-disaggregation",
-                               "--prefill", f"grpc://127.0.0.1:{servers['prefill']['port']}", str(boot),
-                               "--decode", f"grpc://127.0.0.1:{servers['decode']['port']}",
-                               "--model-path", str(ckpt), "--host", "127.0.0.1", "--port", str(http),
-                               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)],
-                              stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{http}"
-    channel = grpc.insecure_channel(f"127.0.0.1:{servers['unified']['port']}")
+    # the server processes share this session's compilation cache: the unified engine's warm-up
+    # compiles what their warm-ups load
+    env = dict(os.environ, K3SERVE_CACHE=cache_home)
+    made, router, log = [], None, open(tmp_path_factory.mktemp("smg") / "smg.log", "w+")
     try:
-        t = time.monotonic() + 120
-        while True:
-            assert router.poll() is None, _tail(log)
-            try:
-                models = json.loads(urllib.request.urlopen(base + "/v1/models", timeout=2).read())
-                if models.get("data"):
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < t, _tail(log)
-            time.sleep(0.3)
-        yield {"base": base, "tok": tok, "stub": pb_grpc.SglangSchedulerStub(channel), "model": models["data"][0]["id"],
-               "servers": servers, "log": log}
+        uni = Local(ckpt, tok, "unified")
+        made.append(uni)
+        pre, dec = Proc(ckpt, "prefill", env, boot=free_port()), Proc(ckpt, "decode", env)
+        made += [pre, dec]
+        local_dec = Local(ckpt, tok, "decode")
+        made.append(local_dec)
+        pre.wait_healthy()
+        dec.wait_healthy()
+        http, prom = free_port(), free_port()
+        router = subprocess.Popen([SMG, "launch", "--pd-disaggregation", "--prefill", f"grpc://127.0.0.1:{pre.port}",
+                                   str(pre.boot), "--decode", f"grpc://127.0.0.1:{dec.port}", "--model-path", str(ckpt),
+                                   "--host", "127.0.0.1", "--port", str(http), "--prometheus-host", "127.0.0.1",
+                                   "--prometheus-port", str(prom)], stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{http}"
+        model = wait_for_router(base, router, log)
+        yield {"base": base, "tok": tok, "model": model, "uni": uni, "pre": pre, "dec": dec,
+               "local_dec": local_dec, "log": log}
     finally:
-        channel.close()
-        router.terminate()
-        try:
-            router.wait(20)
-        except subprocess.TimeoutExpired:
-            router.kill()
-        for s in servers.values():
-            s["server"].shutdown(grace_s=5)
-            if s["side"] is not None:
-                s["side"].stop()
+        if router is not None:
+            router.terminate()
+            try:
+                router.wait(20)
+            except subprocess.TimeoutExpired:
+                router.kill()
+        for s in made:
+            s.close()
         log.close()
 
 
-def _tail(log):
-    log.flush()
-    log.seek(0)
-    return log.read()[-3000:]
-
-
-def _post(url, body, stream=False, timeout=120):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        if not stream:
-            return json.loads(r.read())
-        events = []
-        for line in r:
-            line = line.decode().strip()
-            if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                events.append(json.loads(line[5:]))
-        return events
+def _gen(stub, ids, max_new, rid=None, room=None, boot=None):
+    req = pb.GenerateRequest(request_id=rid or f"u-{time.monotonic_ns()}", tokenized=pb.TokenizedInput(input_ids=ids),
+                             stream=False, sampling_params=pb.SamplingParams(max_new_tokens=max_new))
+    if room is not None:
+        req.disaggregated_params.CopyFrom(pb.DisaggregatedParams(bootstrap_host="127.0.0.1", bootstrap_port=boot,
+                                                                 bootstrap_room=room))
+    return [r.complete for r in stub.Generate(req, timeout=120)][-1]
 
 
 def _unified(stack, ids, max_new):
-    req = pb.GenerateRequest(request_id=f"u-{time.monotonic_ns()}", tokenized=pb.TokenizedInput(input_ids=ids),
-                             stream=False, sampling_params=pb.SamplingParams(max_new_tokens=max_new))
-    done = [r.complete for r in stack["stub"].Generate(req, timeout=120)][-1]
-    return list(done.output_ids)
+    return list(_gen(stack["uni"].stub, ids, max_new).output_ids)
 
 
-def _all_free(stack):
-    for s in stack["servers"].values():
-        t = time.monotonic() + 30
-        while s["loop"].stats()["active_requests"] and time.monotonic() < t:
-            time.sleep(0.1)
-        s["loop"].call(assert_all_free, timeout=30)
+def _until(cond, timeout, what=""):
+    t = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < t, f"timed out: {what}"
+        time.sleep(0.1)
+
+
+def _both_idle(stack):
+    for s in (stack["pre"], stack["dec"]):
+        _until(s.idle, 30, "a server still holds requests")
 
 
 def test_completions_through_smg_pd_equal_unified(stack):
     tok = stack["tok"]
-    # 60+ tokens: the prompt crosses page boundaries (pages of 16)
+    # over 32 tokens: the prompt crosses page boundaries (pages of 16)
     prompt = "import os\ndef main():\n    path = os.path.join(os.getcwd(), 'data')\n    for name in os.listdir(path):"
     ids = tok.encode(prompt)
     assert len(ids) > 32
@@ -136,22 +182,20 @@ def test_completions_through_smg_pd_equal_unified(stack):
     want_text = tok.decode(want, skip_special_tokens=True)
     body = {"model": stack["model"], "prompt": prompt, "max_tokens": 12, "temperature": 0}
     r = _post(stack["base"] + "/v1/completions", body)
-    assert r["choices"][0]["text"] == want_text, _tail(stack["log"])
+    assert r["choices"][0]["text"] == want_text, log_tail(stack["log"])
     assert r["usage"]["prompt_tokens"] == len(ids) and r["usage"]["completion_tokens"] == len(want)
     ev = _post(stack["base"] + "/v1/completions", {**body, "stream": True}, stream=True)
     assert "".join(e["choices"][0].get("text", "") for e in ev if e.get("choices")) == want_text
     # a second turn over the first: the prefill's prefix cache serves the shared part
     prompt2 = prompt + want_text + "\n        print(name)"
-    ids2 = tok.encode(prompt2)
-    want2 = _unified(stack, ids2, 8)
+    want2 = _unified(stack, tok.encode(prompt2), 8)
     r2 = _post(stack["base"] + "/v1/completions", {**body, "prompt": prompt2, "max_tokens": 8})
     assert r2["choices"][0]["text"] == tok.decode(want2, skip_special_tokens=True)
-    assert stack["servers"]["prefill"]["loop"].stats()["prefix_hit_tokens"] > 0
-    # it went the P/D way: every request handed over, none computed by the decode
-    pre, dec = stack["servers"]["prefill"]["side"], stack["servers"]["decode"]["side"]
-    assert pre.rooms.handoffs == dec.handoffs == 3 and dec.bytes_received > 0
-    assert stack["servers"]["decode"]["loop"].stats()["prompt_tokens_computed"] == 0
-    _all_free(stack)
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # it went the P/D way: the prefill handed over, the decode computed no prompt token
+    pre, dec = stack["pre"].load().disaggregation, stack["dec"].load().disaggregation
+    assert pre.mode == "prefill" and dec.mode == "decode" and dec.kv_transfer_speed_gb_s > 0
+    _both_idle(stack)
 
 
 def test_chat_through_smg_pd_equal_unified(stack):
@@ -168,12 +212,10 @@ def test_chat_through_smg_pd_equal_unified(stack):
     assert (r["choices"][0]["message"]["content"] or "") == want_text
     ev = _post(stack["base"] + "/v1/chat/completions", {**body, "stream": True}, stream=True)
     assert "".join((e["choices"][0].get("delta", {}).get("content") or "") for e in ev if e.get("choices")) == want_text
-    _all_free(stack)
+    _both_idle(stack)
 
 
 def test_sixteen_concurrent_with_a_third_cancelled(stack):
-    """16 streaming completions at once through smg; every third client hangs up after its
-    first event. The others equal the unified server's; nothing stays held on either side."""
     tok = stack["tok"]
     prompts = [f"def f{i}(x):\n    return x * {i} +" for i in range(16)]
     want = {i: tok.decode(_unified(stack, tok.encode(p), 10), skip_special_tokens=True) for i, p in enumerate(prompts)}
@@ -204,8 +246,62 @@ def test_sixteen_concurrent_with_a_third_cancelled(stack):
     for t in ts:
         t.join(240)
     assert not errors, errors
-    for i, text in got.items():
-        assert text == want[i], (i, _tail(stack["log"]))
+    assert {i: got[i] for i in got} == {i: want[i] for i in got}, log_tail(stack["log"])
     assert len(got) == 16 - len(range(0, 16, 3))
-    _all_free(stack)
-    assert len(stack["servers"]["prefill"]["side"].rooms) == 0
+    _both_idle(stack)
+
+
+IDS = list(range(5, 45))  # 40 tokens: three pages of 16
+
+
+def test_decode_killed_after_registering(stack):
+    """The decode process dies after it reserved and registered its room: the prefill leg
+    ends (its token, or an error), the room and any staged arrays go within the staging
+    deadline (5 s here), and the prefill serves on."""
+    pre, dec = stack["pre"], stack["dec"]
+    box = {}
+
+    def leg(name, stub):
+        try:
+            box[name] = _gen(stub, IDS, 6, rid="k-dec", room=43, boot=pre.boot)
+        except grpc.RpcError as e:
+            box[name] = e
+
+    td = threading.Thread(target=leg, args=("d", dec.stub))
+    td.start()
+    _until(lambda: pre.load().disaggregation.prefill_inflight_queue_reqs == 1, 60, "the decode never registered")
+    tp = threading.Thread(target=leg, args=("p", pre.stub))
+    tp.start()
+    dec.proc.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    tp.join(60)
+    td.join(60)
+    _until(pre.idle, 20, "the prefill kept the room or the request")
+    assert time.monotonic() - killed < 20
+    assert list(_gen(pre.stub, IDS, 6).output_ids) == _unified(stack, IDS, 6)  # unified on the prefill
+
+
+def test_prefill_killed_while_its_decode_waits(stack):
+    """The prefill process dies while a decode waits for its handoff: that request fails
+    UNAVAILABLE within seconds, the decode holds nothing afterwards, and it serves on."""
+    pre, dec = stack["pre"], stack["local_dec"]
+    box = {}
+
+    def leg():
+        try:
+            box["d"] = _gen(dec.stub, IDS, 6, rid="k-pre", room=44, boot=pre.boot)
+        except grpc.RpcError as e:
+            box["d"] = e
+
+    t = threading.Thread(target=leg)
+    t.start()
+    _until(lambda: pre.load().disaggregation.prefill_inflight_queue_reqs == 1, 60, "the decode never registered")
+    pre.proc.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    t.join(60)
+    err = box["d"]
+    assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAVAILABLE, err
+    assert time.monotonic() - killed < 15
+    _until(lambda: dec.loop.stats()["active_requests"] == 0, 10)
+    dec.loop.call(assert_all_free, timeout=30)
+    assert list(_gen(dec.stub, IDS, 6).output_ids) == _unified(stack, IDS, 6)  # and serves on

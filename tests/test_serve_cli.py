@@ -52,12 +52,14 @@ def _wait_serving(port, proc, timeout=600):
 
 
 @pytest.mark.slow  # `k3serve serve` in a subprocess: load, warm-up compile, drain
-def test_serve_generate_metrics_and_sigterm(text_ckpt, tmp_path):
+def test_serve_generate_metrics_and_sigterm(text_ckpt, tmp_path, cache_home):
     port, mport = free_port(), free_port()
-    env = dict(os.environ, K3SERVE_CACHE=str(tmp_path / "cache"))
+    # the engine of test_smg_router.py / test_pd_smg.py: its programs come from the session's cache
+    env = dict(os.environ, K3SERVE_CACHE=cache_home)
     proc = subprocess.Popen([sys.executable, "-m", "k3serve.server.cli", "serve", "--model", str(text_ckpt),
                              "--port", str(port), "--metrics-port", str(mport), "--max-num-seqs", "2",
-                             "--max-model-len", "128", "--chunk-size", "32", "--page-size", "16"],
+                             "--max-num-batched-tokens", "64", "--max-model-len", "256", "--chunk-size", "32",
+                             "--page-size", "16"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         assert _wait_serving(port, proc)  # NOT_SERVING while loading, then SERVING

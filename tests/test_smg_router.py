@@ -3,16 +3,14 @@ loopback routes OpenAI HTTP requests to our gRPC server. Its completions and cha
 streaming and not, must be token-identical to asking our server directly over gRPC."""
 from __future__ import annotations
 
-import json
 import subprocess
 import time
-import urllib.request
 
 import grpc
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from _util import free_port, tiny_text_checkpoint, tool_path
+from _util import free_port, post_json as _post, tiny_text_checkpoint, tool_path, wait_for_router
 
 SMG = tool_path("smg")
 pytestmark = [pytest.mark.skipif(SMG is None, reason="smg (dev extra) is not installed"),
@@ -42,21 +40,11 @@ def stack(tmp_path_factory):
                               stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{http}"
     try:
-        t = time.monotonic() + 120
-        while True:
-            assert router.poll() is None, _tail(log)
-            try:
-                models = json.loads(urllib.request.urlopen(base + "/v1/models", timeout=2).read())
-                if models.get("data"):
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < t, _tail(log)
-            time.sleep(0.3)
+        model = wait_for_router(base, router, log)
         channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
         from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-        yield {"base": base, "tok": tok, "stub": pb_grpc.SglangSchedulerStub(channel), "model": models["data"][0]["id"],
+        yield {"base": base, "tok": tok, "stub": pb_grpc.SglangSchedulerStub(channel), "model": model,
                "loop": loop, "log": log}
         channel.close()
     finally:
@@ -67,25 +55,6 @@ def stack(tmp_path_factory):
             router.kill()
         server.shutdown(grace_s=5)
         log.close()
-
-
-def _tail(log):
-    log.flush()
-    log.seek(0)
-    return log.read()[-3000:]
-
-
-def _post(url, body, stream=False):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        if not stream:
-            return json.loads(r.read())
-        events = []
-        for line in r:
-            line = line.decode().strip()
-            if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                events.append(json.loads(line[5:]))
-        return events
 
 
 def _direct(stack, ids, max_new):

@@ -260,7 +260,7 @@ class EngineThread:
                             eng.abort(h.rid)
                     return
                 owed = self._apply()  # an applied abort owes its final output: emitted by the next step
-                if not (owed or eng.has_unfinished()):
+                if not (owed or eng.has_unfinished() or eng.has_owed_outputs()):
                     self._publish()
                     continue
                 outs = eng.step()

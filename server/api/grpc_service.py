@@ -221,15 +221,13 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         # retry that reuses the id is never hit). False: the RPC already ended, abort now.
         if not context.add_callback(handle.abort):
             handle.abort()
-        on_final = None
-        if room is not None:
-            def on_final(out):
-                if out.handoff is not None:
-                    prefill.publish(room, out, time.monotonic())
-                else:
-                    prefill.rooms.fail(room.key, HandoffError("ABORTED", f"the prefill of {rid!r} was aborted"))
+        def on_final(out):  # P/D prefill: hand the cache over before the final answer
+            if out.handoff is not None:
+                prefill.publish(room, out, time.monotonic())
+            else:
+                prefill.rooms.fail(room.key, HandoffError("ABORTED", f"the prefill of {rid!r} was aborted"))
         try:
-            yield from self._stream(handle, request, rid, params, on_final)
+            yield from self._stream(handle, request, rid, params, on_final if room is not None else None)
         except RequestError as e:  # the engine failed under this request
             if room is not None:
                 prefill.rooms.fail(room.key, e)
@@ -237,7 +235,7 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         finally:  # gRPC closed the generator (client gone) or anything raised: free the request
             handle.abort()
             if room is not None and not room.done.is_set():
-                prefill.rooms.fail(room.key, HandoffError("CANCELLED", f"the prefill of {rid!r} was cancelled"))
+                prefill.rooms.fail(room.key, HandoffError("ABORTED", f"the prefill of {rid!r} was cancelled"))
 
     def _stream(self, handle, request, rid, params, on_final=None):
         n_prompt = handle.num_prompt

@@ -27,6 +27,7 @@ import asyncio
 import hashlib
 import json
 import math
+import random
 import sys
 import threading
 import time
@@ -273,7 +274,8 @@ async def replay_async(target: str, trace: list[dict], *, block_size: int = 512,
                        timeout_s: float = 600.0, progress: bool = True, api_key: str | None = None,
                        avoid_ids: Iterable[int] | None = None, token_cap: int | None = DEFAULT_TOKEN_CAP,
                        connect_timeout_s: float = 30.0, wait_ready_s: float = 0.0,
-                       request_id_prefix: str | None = None, progress_stream=None) -> dict:
+                       request_id_prefix: str | None = None, progress_stream=None,
+                       prefill_target: str | None = None, bootstrap_port: int = 8998) -> dict:
     """See :func:`replay`."""
     if concurrency is not None and concurrency < 1:
         raise ValueError("concurrency must be >= 1")
@@ -289,6 +291,10 @@ async def replay_async(target: str, trace: list[dict], *, block_size: int = 512,
         except asyncio.TimeoutError:
             raise ConnectionError(f"no gRPC server reachable at {target} within {connect_timeout_s:g} s") from None
         stub = pb_grpc.SglangSchedulerStub(channel)
+        pstub = pchannel = None
+        if prefill_target is not None:  # P/D: smg's dual dispatch, the decode leg measured
+            pchannel = grpc.aio.insecure_channel(prefill_target, options=_CHANNEL_OPTIONS)
+            pstub = pb_grpc.SglangSchedulerStub(pchannel)
         if wait_ready_s > 0:
             await _wait_healthy(stub, api_key, wait_ready_s)
         model = None
@@ -317,11 +323,19 @@ async def replay_async(target: str, trace: list[dict], *, block_size: int = 512,
         async def run_one(st: RequestStats, req):
             state["in_flight"] += 1
             state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
+            prefill_leg = None
             try:
                 st.t_send = time.perf_counter()
+                if pstub is not None:
+                    req.disaggregated_params.CopyFrom(pb.DisaggregatedParams(
+                        bootstrap_host=prefill_target.rsplit(":", 1)[0], bootstrap_port=bootstrap_port,
+                        bootstrap_room=random.getrandbits(31)))
+                    prefill_leg = asyncio.create_task(_drain(pstub.Generate(req, timeout=timeout_s, metadata=md)))
                 call = stub.Generate(req, timeout=timeout_s, metadata=md)
                 async for resp in call:
                     st.on_response(resp, time.perf_counter())
+                if prefill_leg is not None:
+                    await prefill_leg
                 if not st.complete:
                     st.error = {"code": "INCOMPLETE", "message": "stream ended without GenerateComplete"}
             except grpc.aio.AioRpcError as e:
@@ -332,6 +346,8 @@ async def replay_async(target: str, trace: list[dict], *, block_size: int = 512,
             except Exception as e:  # a client-side bug must not stop the run
                 st.error = {"code": "CLIENT_ERROR", "message": f"{type(e).__name__}: {e}"}
             finally:
+                if prefill_leg is not None and not prefill_leg.done():
+                    prefill_leg.cancel()
                 if st.t_end is None:
                     st.t_end = time.perf_counter()
                 state["in_flight"] -= 1
@@ -374,6 +390,8 @@ async def replay_async(target: str, trace: list[dict], *, block_size: int = 512,
             if tick is not None:
                 tick.cancel()
                 bar.show(state["done"], state["ok"], state["failed"], state["in_flight"], final=True)
+            if pchannel is not None:
+                await pchannel.close()
         t_end = max((s.t_end for s in stats if s is not None and s.t_end is not None), default=time.perf_counter())
     result = _aggregate([s for s in stats if s is not None], t_end - t0)
     result.update({"target": target, "mode": "concurrency" if concurrency is not None else "timestamps",
@@ -381,6 +399,16 @@ async def replay_async(target: str, trace: list[dict], *, block_size: int = 512,
                    "block_size": block_size, "vocab_size": vocab_size, "seed": seed, "model": model,
                    "max_in_flight": state["max_in_flight"]})
     return result
+
+
+async def _drain(call) -> None:
+    """Read a P/D prefill leg to its end (as smg does for non-streaming requests); its errors
+    show on the decode leg."""
+    try:
+        async for _ in call:
+            pass
+    except grpc.aio.AioRpcError:
+        pass
 
 
 def _aggregate(stats: list[RequestStats], duration_s: float) -> dict:
@@ -417,8 +445,12 @@ def replay(target: str, trace: list[dict], *, block_size: int = 512, concurrency
            time_scale: float = 1.0, vocab_size: int | None = None, seed: int = 0, timeout_s: float = 600.0,
            progress: bool = True, api_key: str | None = None, avoid_ids: Iterable[int] | None = None,
            token_cap: int | None = DEFAULT_TOKEN_CAP, connect_timeout_s: float = 30.0, wait_ready_s: float = 0.0,
-           request_id_prefix: str | None = None, progress_stream=None) -> dict:
+           request_id_prefix: str | None = None, progress_stream=None, prefill_target: str | None = None,
+           bootstrap_port: int = 8998) -> dict:
     """Replay ``trace`` (Mooncake rows) against the gRPC server at ``target`` ("host:port").
+    With ``prefill_target`` each request also goes to that P/D prefill server, with the same
+    ``disaggregated_params`` (smg's dual dispatch; ``target`` is the decode, whose stream is
+    measured).
 
     ``concurrency=N``: at most N requests in flight, trace order, timestamps ignored; otherwise
     each row is sent at ``(timestamp - first timestamp) * time_scale`` ms after the start
@@ -436,7 +468,7 @@ def replay(target: str, trace: list[dict], *, block_size: int = 512, concurrency
               seed=seed, timeout_s=timeout_s, progress=progress, api_key=api_key, avoid_ids=avoid_ids,
               token_cap=token_cap, connect_timeout_s=connect_timeout_s, wait_ready_s=wait_ready_s,
               request_id_prefix=request_id_prefix,
-              progress_stream=progress_stream)
+              progress_stream=progress_stream, prefill_target=prefill_target, bootstrap_port=bootstrap_port)
     try:
         asyncio.get_running_loop()
     except RuntimeError:

@@ -88,6 +88,11 @@ class Scheduler:
             self.prefix_cache.release(req)
         self.cache_mgr.release(req.rid)
 
+    def _unadmit(self, req: Request) -> None:
+        """Give back what an admission in progress took; the request stays waiting."""
+        self._release(req)
+        req.num_computed = 0
+
     def _grow(self, req: Request, total: int) -> bool:
         """ensure_tokens, evicting cached prefixes of the request's group first."""
         while not self.cache_mgr.ensure_tokens(req.rid, total):
@@ -146,28 +151,21 @@ class Scheduler:
             if req.rid not in self.cache_mgr and not self.cache_mgr.admit(req.rid):
                 break
             if self.prefix_cache is not None and not self.prefix_cache.start(req, hit):
-                self._release(req)
-                req.num_computed = 0
+                self._unadmit(req)
                 break
-            if pre:  # reserve the prompt and the first token; no row until the handoff is in
+            # a P/D decode reserves its prompt and first token and gets no row until its handoff is in
+            n = 0 if pre else min(req.remaining, self.chunk_size, budget)
+            if pre:
                 req.num_computed = len(req.prompt)
-                if not self._grow(req, len(req.prompt) + 1):
-                    self._release(req)
-                    req.num_computed = 0
-                    break
-                self.waiting.remove(req)
-                self.running.append(req)
-                req.status = Status.RUNNING
-                plan.reserved.append(req)
-                continue
-            n = min(req.remaining, self.chunk_size, budget)
-            if not self._grow(req, req.num_computed + n):
-                self._release(req)
-                req.num_computed = 0
+            if not self._grow(req, req.num_computed + max(n, 1)):
+                self._unadmit(req)
                 break
             self.waiting.remove(req)
             self.running.append(req)
             req.status = Status.RUNNING
+            if pre:
+                plan.reserved.append(req)
+                continue
             plan.rows.append(ScheduledRow(req, req.num_computed, n, req.num_computed + n == req.num_tokens))
             budget -= n
         return plan

@@ -72,7 +72,9 @@ class DecodeSide:
             loop.fail_request(rid, e)
         except grpc.RpcError as e:
             code = e.code().name if e.code() is not None else "UNAVAILABLE"
-            if code not in ("FAILED_PRECONDITION", "DEADLINE_EXCEEDED", "CANCELLED"):
+            if code == "CANCELLED":  # the prefill leg was cancelled or aborted: not this client's doing
+                code = "ABORTED"
+            if code not in ("FAILED_PRECONDITION", "DEADLINE_EXCEEDED", "ABORTED"):
                 code = "UNAVAILABLE"
             loop.fail_request(rid, HandoffError(code, f"P/D handoff from the prefill at {addr} failed: "
                                                       f"{e.details() or e.code()}"))

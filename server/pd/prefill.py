@@ -48,8 +48,9 @@ class Room:
 class Rooms:
     """Thread-safe table of open rooms, with the figures GetLoads reports."""
 
-    def __init__(self, ttl_s: float):
+    def __init__(self, ttl_s: float, staged_s: float | None = None):
         self.ttl_s = ttl_s  # a room nobody finishes is dropped after this long
+        self.staged_s = staged_s if staged_s is not None else ttl_s  # ... and a staged one nobody released
         self._lock = threading.Lock()
         self._rooms: dict[tuple[int, str], Room] = {}
         self.bytes_sent = 0
@@ -79,16 +80,19 @@ class Rooms:
     def counts(self) -> tuple[int, int]:
         """(rooms waiting for their decode, rooms computing or staged)."""
         with self._lock:
+            self._sweep()
             waiting = sum(1 for r in self._rooms.values() if not r.registered.is_set())
             return waiting, len(self._rooms) - waiting
 
     def __len__(self) -> int:
         with self._lock:
+            self._sweep()
             return len(self._rooms)
 
     def _sweep(self) -> None:
         now = time.monotonic()
-        for key in [k for k, r in self._rooms.items() if now - r.created > self.ttl_s]:
+        for key in [k for k, r in self._rooms.items() if now - r.created > self.ttl_s
+                    or (r.staged_at is not None and now - r.staged_at > self.staged_s)]:
             room = self._rooms.pop(key)
             if not room.done.is_set():
                 room.error = HandoffError("DEADLINE_EXCEEDED", f"room {key[0]} expired after {self.ttl_s:.0f} s")
@@ -141,7 +145,7 @@ class PrefillSide:
         from .transfer import TransferEndpoint
 
         self.wait_s, self.stage_s = wait_s, stage_s
-        self.rooms = Rooms(ttl_s=wait_s + stage_s + 60.0)
+        self.rooms = Rooms(ttl_s=wait_s + stage_s + 60.0, staged_s=stage_s)
         self.transfer = TransferEndpoint(host)
         self.layout = cache_layout(engine)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="k3-bootstrap"),

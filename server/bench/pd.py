@@ -1,0 +1,113 @@
+"""Prefill/decode disaggregation against one unified server, on the same agentic trace.
+
+    k3serve bench pd [--model DIR|demo] [--sessions 8] [--seed 0] [--time-scale 1.0] [--json out.json]
+    (= python -m k3serve.server.bench.pd ...)
+
+Pass ``unified``: one in-process gRPC server. Pass ``pd``: a ``--role prefill`` and a ``--role
+decode`` server in this process, and the replayer doing smg's dual dispatch (each request to
+both, same ``disaggregated_params``; the decode's stream is measured). The same checkpoint, the
+same engine settings and the same trace; every engine is warmed up before the clock starts.
+Reported per pass: TTFT, TPOT and end-to-end percentiles; for ``pd`` also the bytes moved per
+request, the pull time per handoff (decode: pull start to arrays ready) and the prefill's
+staging time. All servers share this machine's cores, so on a CPU box the P/D pass shows the
+protocol's cost, not the gain of separate accelerators.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .report import emit, model_dir as resolve_model
+
+
+def _server(model, engine_kw, role=None):
+    from k3serve.server.api.engine_thread import EngineThread
+    from k3serve.server.api.grpc_service import GrpcServer, Servicer
+    from k3serve.server.engine.engine import Engine
+    from k3serve.server.pd.decode import DecodeSide
+    from k3serve.server.pd.prefill import PrefillSide
+
+    eng = Engine(model, **engine_kw)
+    loop = EngineThread(eng)
+    servicer = Servicer(served_model_name="bench")
+    server = GrpcServer(servicer, host="127.0.0.1", port=0)
+    side = None
+    if role == "prefill":
+        side = servicer.pd_prefill = PrefillSide(eng, host="127.0.0.1", bootstrap_port=0)
+    elif role == "decode":
+        side = servicer.pd_decode = DecodeSide(eng)
+    server.set_ready(loop)
+    return server, loop, side
+
+
+def _figures(res) -> dict:
+    return {"ok": res["ok"], "failed": res["failed"], "duration_s": round(res["duration_s"], 2),
+            "ttft_ms": res["ttft_ms"], "tpot_ms": res["tpot_ms"], "e2e_ms": res["e2e_ms"],
+            "output_tokens_per_s": res["output_tokens_per_s"], "error_counts": res.get("error_counts")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="demo", help="checkpoint dir, or 'demo'")
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--block-size", type=int, default=16, help="trace tokens per hash block")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="trace time multiplier (0.5 = twice as fast)")
+    ap.add_argument("--max-num-seqs", type=int, default=4)
+    ap.add_argument("--chunk-size", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--json", help="also write the report to this file")
+    a = ap.parse_args(argv)
+
+    from k3serve.compile_cache import enable_compile_cache
+    from k3serve.model import load_pretrained
+    from k3serve.server.client.replay import replay
+    from k3serve.server.client.traces import generate_trace, trace_summary
+
+    enable_compile_cache()
+    model_dir = resolve_model(a.model)
+    model = load_pretrained(model_dir, dtype="float32")
+    trace = generate_trace(a.seed, a.sessions, block_size=a.block_size, preset="tiny", max_context_tokens=a.max_model_len)
+    kw = dict(max_num_seqs=a.max_num_seqs, chunk_size=a.chunk_size, page_size=a.page_size, max_model_len=a.max_model_len,
+              max_num_batched_tokens=max(256, a.chunk_size))
+    report = {"model": str(model_dir), "trace": trace_summary(trace, a.block_size), "engine": kw}
+    rkw = dict(block_size=a.block_size, time_scale=a.time_scale, progress=False, avoid_ids=[],
+               vocab_size=model.config.vocab_size)
+
+    print(f"bench pd: pass 'unified' ({len(trace)} requests)...", file=sys.stderr, flush=True)
+    server, loop, _ = _server(model, kw)
+    try:
+        report["unified"] = _figures(replay(f"127.0.0.1:{server.port}", trace, **rkw))
+    finally:
+        server.shutdown(grace_s=5)
+
+    print(f"bench pd: pass 'pd' ({len(trace)} requests)...", file=sys.stderr, flush=True)
+    pre = _server(model, kw, "prefill")
+    dec = _server(model, kw, "decode")
+    try:
+        t = time.perf_counter()
+        res = replay(f"127.0.0.1:{dec[0].port}", trace, prefill_target=f"127.0.0.1:{pre[0].port}",
+                     bootstrap_port=pre[2].port, **rkw)
+        rooms, d = pre[2].rooms, dec[2]
+        report["pd"] = {**_figures(res), "handoffs": d.handoffs,
+                        "bytes_per_request": round(d.bytes_received / max(1, d.handoffs)),
+                        "pull_ms_mean": round(1e3 * d.transfer_time_s / max(1, d.handoffs), 3),
+                        "pull_gb_s": round(d.bytes_received / max(d.transfer_time_s, 1e-9) / 1e9, 3),
+                        "stage_ms_mean": round(1e3 * rooms.stage_s / max(1, rooms.handoffs), 3),
+                        "decode_prompt_tokens_computed": dec[1].stats()["prompt_tokens_computed"],
+                        "wall_s": round(time.perf_counter() - t, 2)}
+    finally:
+        for server, _, side in (pre, dec):
+            server.shutdown(grace_s=5)
+            side.stop()
+    p = lambda name, key, q: (report[name][key] or {}).get(q)
+    report["figures"] = {f"{k}_{q}_ratio_pd_over_unified": round(p("pd", k, q) / p("unified", k, q), 3)
+                         for k in ("ttft_ms", "tpot_ms") for q in ("p50", "p90")
+                         if p("pd", k, q) and p("unified", k, q)}
+    return emit(report, a.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
