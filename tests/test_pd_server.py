@@ -201,3 +201,20 @@ def test_first_token_that_stops_ends_the_decode_at_once(pd):
     assert ddone.matched_token_id == first
     for s in pd.values():
         s.check_free()
+
+
+def test_replayer_dual_dispatch(pd):
+    """``replay(..., prefill_target=...)`` (``k3serve bench pd``) sends each trace row to both
+    servers as smg does: every request completes through the handoff."""
+    from k3serve.server.client.replay import replay
+
+    trace = [{"timestamp": 0, "input_length": 20, "output_length": 4, "hash_ids": [1, 2]},
+             {"timestamp": 10, "input_length": 40, "output_length": 3, "hash_ids": [1, 2, 3]}]
+    dec = pd["decode"].side
+    before = dec.handoffs
+    res = replay(f"127.0.0.1:{pd['decode'].server.port}", trace, block_size=16, concurrency=2, progress=False,
+                 prefill_target=f"127.0.0.1:{pd['prefill'].server.port}", bootstrap_port=pd["prefill"].side.port)
+    assert res["ok"] == 2 and res["failed"] == 0 and res["completion_tokens"] == 7
+    assert dec.handoffs == before + 2
+    for s in pd.values():
+        s.check_free()
