@@ -51,8 +51,9 @@ def run_cell(path: str, recipe: str, expect_for) -> dict:
     c0 = time.process_time()
     out = {"recipe": recipe}
     try:
+        # a 16-token budget: token buckets 1, 8, 16 (three step programs to warm up, not four)
         llm = LLM(path, recipe=recipe, devices=jax.devices()[: r.devices], max_num_seqs=r.dp, page_size=4,
-                  max_model_len=32, chunk_size=8, enable_prefix_caching=False)
+                  max_model_len=32, chunk_size=8, max_num_batched_tokens=16, enable_prefix_caching=False)
         eng = llm.engine
         warm = eng.runner.num_compiles
         got = [o.token_ids for o in llm.generate(
