@@ -15,7 +15,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from _util import DATA, golden, load_case
+from _util import DATA, collect_generate as _collect, golden, load_case
 from k3serve.server.engine.engine import Engine
 from k3serve.server.engine.sampling_params import SamplingParams
 from k3serve.server.api.engine_thread import EngineThread
@@ -58,16 +58,6 @@ def _req(ids, rid="", max_new=12, stream=True, **sp):
     sp.setdefault("ignore_eos", True)
     return pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=ids), stream=stream,
                               sampling_params=pb.SamplingParams(max_new_tokens=max_new, **sp))
-
-
-def _collect(stub, req, timeout=120):
-    chunks, complete = [], None
-    for r in stub.Generate(req, timeout=timeout):
-        if r.HasField("chunk"):
-            chunks.append(r.chunk)
-        else:
-            complete = r.complete
-    return chunks, complete
 
 
 def _prompts():

@@ -19,7 +19,7 @@ import argparse
 import sys
 import time
 
-from .report import emit, model_dir as resolve_model
+from .report import add_trace_flags, emit, model_dir as resolve_model
 
 
 def _serve_and_replay(model, trace, *, block_size: int, time_scale: float, engine_kw: dict) -> dict:
@@ -53,15 +53,7 @@ def _serve_and_replay(model, trace, *, block_size: int, time_scale: float, engin
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="demo", help="checkpoint dir, or 'demo'")
-    ap.add_argument("--sessions", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--block-size", type=int, default=16, help="trace tokens per hash block")
-    ap.add_argument("--time-scale", type=float, default=1.0, help="trace time multiplier (0.5 = twice as fast)")
-    ap.add_argument("--max-num-seqs", type=int, default=4)
-    ap.add_argument("--chunk-size", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--max-model-len", type=int, default=512)
+    add_trace_flags(ap)
     ap.add_argument("--num-pages", type=int, default=None)
     ap.add_argument("--prefix-unit", type=int, default=None)
     ap.add_argument("--prefix-interval", type=int, default=0)

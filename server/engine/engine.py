@@ -191,6 +191,27 @@ class Engine:
         params = params if params is not None else SamplingParams()
         if export:
             params = dataclasses.replace(params, max_new_tokens=1)
+        return self._queue(ids, params, rid, priority, cache_salt, api_key, export=export)
+
+    def admit_prefilled(self, ids: list[int], params: SamplingParams | None, handoff=None, *, rid: str,
+                        priority: int = 0, cache_salt: str | None = None, api_key: str | None = None,
+                        on_reserved: Callable[[str], None] | None = None) -> str:
+        """Queue a request whose prompt a P/D prefill engine computes (``handoff.py``; ``ids``
+        from ``validate``). It waits like any request until a slot and pages for ``prompt + 1``
+        tokens are free and reserves them; then the handoff (given here, or later by
+        :meth:`deliver`; ``on_reserved(rid)`` is called on reservation) is written into them
+        and it decodes on from the handoff's first token, its first output."""
+        if handoff is not None:
+            self._check_handoff(ids, handoff)
+        if rid in self.requests:  # checked before the callback is registered under the id
+            raise RequestError(f"request id {rid!r} is already in use")
+        if on_reserved is not None:
+            self._on_reserved[rid] = on_reserved
+        return self._queue(ids, params if params is not None else SamplingParams(), rid, priority, cache_salt,
+                           api_key, prefilled=handoff, awaiting=True)
+
+    def _queue(self, ids, params: SamplingParams, rid: str | None, priority: int, cache_salt, api_key,
+               **fields) -> str:
         if rid is not None and rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
         if rid is None:
@@ -201,34 +222,10 @@ class Engine:
         from .cache.prefix_keys import tenant_salt
 
         req = Request(prompt=list(ids), params=params, rid=rid, priority=priority, seed=seed,
-                      salt=tenant_salt(cache_salt, api_key), export=export)
+                      salt=tenant_salt(cache_salt, api_key), **fields)
         self.requests[req.rid] = req
         self.scheduler.add(req)
         return req.rid
-
-    def admit_prefilled(self, ids: list[int], params: SamplingParams | None, handoff=None, *, rid: str,
-                        priority: int = 0, cache_salt: str | None = None, api_key: str | None = None,
-                        on_reserved: Callable[[str], None] | None = None) -> str:
-        """Queue a request whose prompt a P/D prefill engine computes (``handoff.py``; ``ids``
-        from ``validate``). It waits like any request until a slot and pages for ``prompt + 1``
-        tokens are free and reserves them; then the handoff (given here, or later by
-        :meth:`deliver`; ``on_reserved(rid)`` is called on reservation) is written into them
-        and it decodes on from the handoff's first token, its first output."""
-        params = params if params is not None else SamplingParams()
-        if rid in self.requests:
-            raise RequestError(f"request id {rid!r} is already in use")
-        if handoff is not None:
-            self._check_handoff(ids, handoff)
-        seed = params.seed if params.seed is not None else random.getrandbits(31)
-        from .cache.prefix_keys import tenant_salt
-
-        req = Request(prompt=list(ids), params=params, rid=rid, priority=priority, seed=seed,
-                      salt=tenant_salt(cache_salt, api_key), prefilled=handoff, awaiting=True)
-        self.requests[rid] = req
-        if on_reserved is not None:
-            self._on_reserved[rid] = on_reserved
-        self.scheduler.add(req)
-        return rid
 
     def deliver(self, rid: str, handoff) -> bool:
         """The handoff of a request queued by :meth:`admit_prefilled`: written into its

@@ -53,7 +53,6 @@ class Rooms:
         self.staged_s = staged_s if staged_s is not None else ttl_s  # ... and a staged one nobody released
         self._lock = threading.Lock()
         self._rooms: dict[tuple[int, str], Room] = {}
-        self.bytes_sent = 0
         self.handoffs = 0
         self.stage_s = 0.0  # prompt done -> staged, summed
 
@@ -202,7 +201,6 @@ class PrefillSide:
                                                        top_logprobs=[float(b) for _, b in top]))
         room.handoff = msg
         room.staged_at = time.monotonic()
-        self.rooms.bytes_sent += h.nbytes
         self.rooms.handoffs += 1
         self.rooms.stage_s += room.staged_at - finished_at
         room.done.set()
