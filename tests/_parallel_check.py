@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -154,15 +155,15 @@ def run_engine(m, recipe: str, lengths, new_tokens: int, page_size: int, seed: i
 def main():
     case, spec = sys.argv[1], json.loads(sys.argv[2])
     m = load_pretrained(case)
-    out = {}
+    out, t0 = {}, time.perf_counter()
     for name, rec in spec["recipes"].items():
         r = Recipe.parse(rec)
         out[name] = run_recipe(m, r, spec["lengths"], spec["page_size"], spec["decode_steps"],
                                ep_impl=spec.get("ep_impl", "auto"))
-        print(name, out[name], file=sys.stderr, flush=True)
+        print(f"{time.perf_counter() - t0:.1f}s", name, out[name], file=sys.stderr, flush=True)
     for name, rec in spec.get("engine", {}).items():
         out["engine:" + name] = run_engine(m, rec, spec["engine_lengths"], spec["engine_new_tokens"], spec["page_size"])
-        print(name, out["engine:" + name], file=sys.stderr, flush=True)
+        print(f"{time.perf_counter() - t0:.1f}s", name, out["engine:" + name], file=sys.stderr, flush=True)
     print(json.dumps(out))
 
 
