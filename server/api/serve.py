@@ -120,8 +120,8 @@ def serve(args) -> int:
 def attach_pd(servicer, engine, args):
     """Make the servicer a P/D prefill (bootstrap service on ``--bootstrap-port``) or decode
     server (``--role``); returns the side, to stop at exit."""
-    if engine.mesh is not None or engine.dispatch.num_processes > 1:
-        raise ValueError("P/D roles need a single-device engine for now (no --recipe, one process)")
+    if engine.dispatch.num_processes > 1:
+        raise ValueError("P/D roles need a one-process engine for now (a --recipe over this process's devices)")
     if args.role == "prefill":
         from ..pd.prefill import PrefillSide
 

@@ -234,6 +234,10 @@ class Engine:
         if req is None or req.finished or not req.awaiting:
             return False
         self._check_handoff(req.prompt, handoff)
+        if handoff.destination is not None and (
+                req.rid not in self.cache_mgr
+                or self.cache_mgr.handoff_target(req.rid, handoff.prompt_len).dest != handoff.destination):
+            raise RequestError("the handoff was cut for another reservation than this request holds")
         req.prefilled = handoff
         if req.rid in self.cache_mgr:  # reserved
             self._take_handoff(req)
@@ -248,7 +252,7 @@ class Engine:
     def _take_handoff(self, req: Request) -> None:
         """Write the handoff into the request's reservation; its first token is its first output."""
         h = req.prefilled
-        self.cache_mgr.import_request(req.rid, h.arrays, h.prompt_len)
+        self.cache_mgr.import_request(req.rid, h.arrays, h.prompt_len, h.destination)
         req.prefilled, req.awaiting = None, False
         req.cached_tokens = h.cached_tokens
         req.output.append(int(h.first_token))

@@ -11,7 +11,9 @@ until a slot and pages for ``prompt + 1`` tokens are free, the arrays are writte
 (``CacheManager.import_request``), and it continues from the first token as if it had
 prefilled the prompt itself — the last prompt token is never recomputed and the first token is
 applied to the KDA state exactly once (by the decode's first step, which takes it as input).
-The first token is the decode's first output; its stop checks (eos, stop ids, stop strings,
+Between engines of different layouts (recipes, devices) the arrays are cut into one piece per
+distinct need of the decode's devices and put together there (``cache/deal.py``); in one
+process ``import_request`` does both. The first token is the decode's first output; its stop checks (eos, stop ids, stop strings,
 ``max_new_tokens``) are the decode's. Sampling draws from ``(seed, output position)``, so a
 seeded request samples the same tokens as on a unified engine.
 """
@@ -26,7 +28,11 @@ class Handoff:
     first_token: int
     logprob: tuple | None  # (logprob, [(id, logprob), ...]) of the first token, when asked for
     cached_tokens: int  # prompt tokens the prefill side served from its prefix cache
-    arrays: tuple  # (kda_state [nK, H, dk, dv], kda_conv [nK, W-1, C], mla_rows [nM, P', page_size, W])
+    # as exported (CacheManager.export_request): kda_state [nK, H, dk, dv], kda_conv [nK, W-1, C],
+    # mla_rows [nM, P', page_size, W] in page order; or, with ``destination``, the decode's load
+    # inputs assembled from pieces cut for it (cache/deal.py)
+    arrays: tuple
+    destination: object = None  # cache.deal.Destination the arrays were dealt for, or None
 
     @property
     def nbytes(self) -> int:

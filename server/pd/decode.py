@@ -4,8 +4,10 @@ A request with ``disaggregated_params`` is submitted to the engine as a P/D deco
 (``EngineThread.submit(on_reserved=...)``): it queues like any request until a slot and pages
 for ``prompt + 1`` tokens are free. On reservation a worker thread (never the engine thread)
 registers with the prefill's bootstrap service (once per prefill), calls ``AwaitHandoff`` (the
-prefill starts computing only then), checks the announced room, prompt and array shapes
-against its own, pulls the arrays through the transfer endpoint with a deadline, releases
+prefill starts computing only then) with what its devices need of the cache
+(``CacheManager.handoff_target``: the prefill cuts one piece per need), checks the announced
+room, prompt and piece shapes against its own, pulls each piece onto a device that needs it
+through the transfer endpoint with a deadline, puts the load's inputs together, releases
 the room and hands the arrays to the engine (``EngineThread.deliver``). Any failure ends that
 request alone with a gRPC status (UNAVAILABLE when the prefill is unreachable or died,
 DEADLINE_EXCEEDED, FAILED_PRECONDITION for incompatible servers) and frees its reservation.
@@ -21,7 +23,7 @@ import grpc
 from ..engine.handoff import Handoff
 from . import bootstrap_pb2 as pb
 from . import bootstrap_pb2_grpc as pb_grpc
-from .layout import cache_layout, handoff_specs, incompatibility, prompt_crc32
+from .layout import cache_layout, destination_pb, incompatibility, piece_specs, prompt_crc32
 from .prefill import HandoffError
 from .transfer import TransferEndpoint, wait_ready
 
@@ -56,7 +58,11 @@ class DecodeSide:
             with self._lock:
                 self.waiting -= 1
                 self.transferring += 1
-            self.pool.submit(self._fetch, loop, r, addr, room, list(ids))
+            try:  # what this reservation needs, read while the engine thread owns the cache
+                target = self.engine.cache_mgr.handoff_target(r, len(ids))
+            except Exception as e:
+                target = e
+            self.pool.submit(self._fetch, loop, r, addr, room, list(ids), target)
 
         try:
             return loop.submit(ids, params, rid=rid, on_reserved=on_reserved, **kw)
@@ -65,9 +71,11 @@ class DecodeSide:
                 self.waiting -= 1
             raise
 
-    def _fetch(self, loop, rid: str, addr: str, room: int, ids: list[int]) -> None:
+    def _fetch(self, loop, rid: str, addr: str, room: int, ids: list[int], target) -> None:
         try:
-            handoff = self._handoff(rid, addr, room, ids, alive=lambda: loop.in_flight(rid))
+            if isinstance(target, Exception):
+                raise target
+            handoff = self._handoff(rid, addr, room, ids, target, alive=lambda: loop.in_flight(rid))
         except HandoffError as e:
             loop.fail_request(rid, e)
         except grpc.RpcError as e:
@@ -103,12 +111,12 @@ class DecodeSide:
             raise HandoffError("FAILED_PRECONDITION", f"the prefill at {addr} cannot hand over to this server: {why}")
         return stub
 
-    def _handoff(self, rid: str, addr: str, room: int, ids: list[int], alive=lambda: True) -> Handoff:
+    def _handoff(self, rid: str, addr: str, room: int, ids: list[int], target, alive=lambda: True) -> Handoff:
         stub = self._stub(addr)
         crc = prompt_crc32(ids)
         call = stub.AwaitHandoff.future(pb.AwaitHandoffRequest(
             decode_id=self.decode_id, bootstrap_room=room, request_id=rid, prompt_len=len(ids), prompt_crc32=crc,
-            layout=self.layout), timeout=self.await_s)
+            layout=self.layout, destination=destination_pb(target.dest)), timeout=self.await_s)
         done = threading.Event()
         call.add_done_callback(lambda _: done.set())
         while not done.wait(0.05):
@@ -119,13 +127,13 @@ class DecodeSide:
         if (msg.bootstrap_room, msg.request_id, msg.prompt_crc32, msg.prompt_len) != (room, rid, crc, len(ids)):
             raise HandoffError("INTERNAL", f"bootstrap room {room}: the prefill answered for another request "
                                            f"(room {msg.bootstrap_room}, id {msg.request_id!r})")
-        specs = handoff_specs(self.engine, len(ids))
+        specs = piece_specs(self.engine, len(ids), target.dest)
         got = [(tuple(a.shape), a.dtype) for a in msg.arrays]
         if got != specs:
             raise HandoffError("FAILED_PRECONDITION", f"the prefill announced arrays {got}, this server expects {specs}")
         t = time.monotonic()
-        arrays = self.transfer.pull(msg.transfer_address, msg.transfer_uuid, specs)
-        ok = wait_ready(arrays, self.transfer_s)
+        pieces = self.transfer.pull(msg.transfer_address, msg.transfer_uuid, specs, devices=target.pull_devices())
+        ok = wait_ready(pieces, self.transfer_s)
         dt = time.monotonic() - t
         try:
             stub.Release(pb.ReleaseRequest(bootstrap_room=room, request_id=rid, pulled=ok), timeout=5)
@@ -143,7 +151,7 @@ class DecodeSide:
         if msg.HasField("first_logprob"):
             f = msg.first_logprob
             lp = (f.logprob, list(zip(f.top_ids, f.top_logprobs)))
-        return Handoff(len(ids), int(msg.first_token), lp, int(msg.cached_tokens), tuple(arrays))
+        return Handoff(len(ids), int(msg.first_token), lp, int(msg.cached_tokens), target.assemble(pieces), target.dest)
 
     def stop(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,6 +1,7 @@
 """What a prefill and a decode engine must agree on before raw arrays move between them:
-the cache's shapes and dtypes (a fingerprint of the model config) and the page size. Both
-sides compute the arrays of one handoff from the prompt length alone, so the decode checks the
+the cache's shapes and dtypes (a fingerprint of the model config) and the page size; recipes
+and DCP sizes may differ (``engine/cache/deal.py``). Both sides compute the pieces of one
+handoff from the prompt length and the decode's destination alone, so the decode checks the
 prefill's announcement against its own expectation before it pulls a byte."""
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 
 from ...intmath import cdiv, next_pow2
 from ...model.cache import cache_shapes
+from ..engine.cache.deal import Destination
 from . import bootstrap_pb2 as pb
 
 
@@ -33,13 +35,11 @@ def incompatibility(mine: "pb.CacheLayout", theirs: "pb.CacheLayout") -> str | N
         return f"page sizes differ ({theirs.page_size} there, {mine.page_size} here)"
     if mine.kv_dtype != theirs.kv_dtype:
         return f"cache dtypes differ ({theirs.kv_dtype} there, {mine.kv_dtype} here)"
-    if mine.dcp_size != 1 or theirs.dcp_size != 1:
-        return "a P/D handoff between sharded (DCP) caches is not supported yet"
-    return None
+    return None  # DCP sizes and recipes may differ: deal.py cuts for the decode's layout
 
 
-def handoff_specs(engine, prompt_len: int) -> list[tuple[tuple[int, ...], str]]:
-    """``(shape, dtype)`` of the arrays of a ``prompt_len``-token handoff, in order: KDA state,
+def export_specs(engine, prompt_len: int) -> list[tuple[tuple[int, ...], str]]:
+    """``(shape, dtype)`` of the export of a ``prompt_len``-token handoff, in order: KDA state,
     conv windows (one slot of each), MLA rows of the prompt's pages padded to a power of two
     (``CacheManager.export_request``)."""
     cfg, ps = engine.model.config, engine.capacity_plan.page_size
@@ -48,6 +48,29 @@ def handoff_specs(engine, prompt_len: int) -> list[tuple[tuple[int, ...], str]]:
     pages = next_pow2(cdiv(prompt_len, ps))
     return [((st[0],) + tuple(st[2:]), str(np.dtype(st_d))), ((cv[0],) + tuple(cv[2:]), str(np.dtype(cv_d))),
             ((kv[0], pages) + tuple(kv[2:]), str(np.dtype(kv_d)))]
+
+
+def piece_specs(engine, prompt_len: int, dest: Destination) -> list[tuple[tuple[int, ...], str]]:
+    """``(shape, dtype)`` of the pieces ``dest`` asks for, in order (``cache/deal.py``)."""
+    (st, st_d), (cv, cv_d), (kv, kv_d) = export_specs(engine, prompt_len)
+    shapes = dest.piece_shapes(st, cv, kv)
+    dtypes = [cv_d] + [st_d] * len(dest.head_starts) + [kv_d] * len(dest.page_lists)
+    return list(zip(shapes, dtypes))
+
+
+def destination_pb(dest: Destination) -> "pb.Destination":
+    return pb.Destination(head_count=dest.head_count, head_starts=list(dest.head_starts),
+                          page_lists=[pb.PageList(pages=list(p)) for p in dest.page_lists])
+
+
+def destination_of(msg: "pb.Destination") -> Destination:
+    return Destination(head_count=msg.head_count, head_starts=tuple(msg.head_starts),
+                       page_lists=tuple(tuple(p.pages) for p in msg.page_lists))
+
+
+def engine_devices(engine) -> list:
+    """The devices the engine's cache lives on, in id order (where pieces are cut and staged)."""
+    return sorted(engine.cache_mgr.device_cache.mla_kv.sharding.device_set, key=lambda d: d.id)
 
 
 def prompt_crc32(ids) -> int:

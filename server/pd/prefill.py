@@ -21,7 +21,9 @@ import grpc
 from ..engine.request import RequestError
 from . import bootstrap_pb2 as pb
 from . import bootstrap_pb2_grpc as pb_grpc
-from .layout import incompatibility, prompt_crc32
+from ...intmath import cdiv
+from ..engine.cache.deal import cut_pieces
+from .layout import destination_of, engine_devices, incompatibility, prompt_crc32
 
 
 class HandoffError(RequestError):
@@ -39,6 +41,7 @@ class Room:
     registered: threading.Event = dataclasses.field(default_factory=threading.Event)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     request: "pb.AwaitHandoffRequest | None" = None  # the decode's registration
+    dest: object = None  # its deal.Destination, checked
     handoff: "pb.Handoff | None" = None
     error: HandoffError | None = None
     staged_at: float | None = None
@@ -144,6 +147,8 @@ class PrefillSide:
         from .transfer import TransferEndpoint
 
         self.wait_s, self.stage_s = wait_s, stage_s
+        self.devices = engine_devices(engine)
+        self.num_heads, self.page_size = engine.model.config.kda_num_heads, engine.capacity_plan.page_size
         self.rooms = Rooms(ttl_s=wait_s + stage_s + 60.0, staged_s=stage_s)
         self.transfer = TransferEndpoint(host)
         self.layout = cache_layout(engine)
@@ -182,6 +187,13 @@ class PrefillSide:
                                                       "from this request's")
             self.rooms.fail(room.key, err)
             raise err
+        try:
+            room.dest = destination_of(req.destination)
+            room.dest.check(self.num_heads, cdiv(len(ids), self.page_size))
+        except ValueError as e:
+            err = HandoffError("FAILED_PRECONDITION", f"bootstrap room {room.key[0]}: bad destination: {e}")
+            self.rooms.fail(room.key, err)
+            raise err from None
 
     def publish(self, room: Room, out, finished_at: float) -> None:
         """Stage the final output's handoff and answer the decode's AwaitHandoff."""
@@ -189,12 +201,14 @@ class PrefillSide:
             self.rooms.end(room.key)
             return
         h = out.handoff
+        pieces = cut_pieces(h.arrays, room.dest, self.devices)
         uuid = random.getrandbits(63)
-        self.transfer.stage(uuid, h.arrays, self.stage_s)
+        self.transfer.stage(uuid, pieces, self.stage_s)
         msg = pb.Handoff(bootstrap_room=room.key[0], request_id=room.key[1], prompt_crc32=room.request.prompt_crc32,
                          prompt_len=h.prompt_len, first_token=h.first_token, cached_tokens=h.cached_tokens,
-                         transfer_address=self.transfer.address, transfer_uuid=uuid, nbytes=h.nbytes,
-                         arrays=[pb.TensorSpec(shape=a.shape, dtype=str(a.dtype)) for a in h.arrays])
+                         transfer_address=self.transfer.address, transfer_uuid=uuid,
+                         nbytes=sum(int(a.size) * a.dtype.itemsize for a in pieces),
+                         arrays=[pb.TensorSpec(shape=a.shape, dtype=str(a.dtype)) for a in pieces])
         if h.logprob is not None:
             lp, top = h.logprob
             msg.first_logprob.CopyFrom(pb.TokenLogprob(logprob=lp, top_ids=[int(a) for a, _ in top],

@@ -6,7 +6,8 @@ which the server drops them: a decode that never pulls costs nothing for long); 
 ready when the bytes have arrived, and never if the prefill died: :func:`wait_ready` polls them
 against a deadline so that a lost prefill is an error, never a hang. The transfer copies raw
 shards and never reshards (a pull with another layout returns wrong values silently), so both
-sides check :mod:`.layout` first and each array is pulled whole onto one device.
+sides check :mod:`.layout` first and each array is a single-device piece pulled whole onto one
+device (``engine/cache/deal.py`` cuts and reassembles them for the two layouts).
 """
 from __future__ import annotations
 
@@ -32,15 +33,17 @@ class TransferEndpoint:
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
         self.server.await_pull(uuid, list(arrays), timeout=deadline)
 
-    def pull(self, address: str, uuid: int, specs) -> list:
+    def pull(self, address: str, uuid: int, specs, devices=None) -> list:
         """Start pulling ``uuid`` from the endpoint at ``address``: arrays of ``specs``
-        (``(shape, dtype)`` pairs) on this endpoint's device, not ready yet."""
+        (``(shape, dtype)`` pairs), each on its device of ``devices`` (default: this
+        endpoint's), not ready yet."""
         with self._lock:
             conn = self._conns.get(address)
             if conn is None:
                 conn = self._conns[address] = self.server.connect(address)
-        sharding = jax.sharding.SingleDeviceSharding(self.device)
-        return conn.pull(uuid, [jax.ShapeDtypeStruct(tuple(s), d, sharding=sharding) for s, d in specs])
+        devices = devices if devices is not None else [self.device] * len(specs)
+        return conn.pull(uuid, [jax.ShapeDtypeStruct(tuple(s), d, sharding=jax.sharding.SingleDeviceSharding(dev))
+                                for (s, d), dev in zip(specs, devices, strict=True)])
 
 
 def wait_ready(arrays, timeout_s: float, poll_s: float = 0.002) -> bool:

@@ -22,11 +22,12 @@ def _copy_slots(cache, src, dst):
 
 def _load_prefix(cache, idx, pos0, rows, tokens, slot, state, conv):
     """Pages ``idx`` := gathered pages ``rows`` ``[nM, P', page_size, W]``, zero from position
-    ``tokens`` on (``pos0``: each page's first position); slot ``slot`` := the state."""
+    ``tokens`` on (``pos0``: each page's first position); slot ``slot`` := the state. An
+    index past the pool's end is padding: its rows are dropped."""
     ps = rows.shape[2]
     keep = (pos0[:, None] + jnp.arange(ps)[None, :]) < tokens
     rows = jnp.where(keep[None, :, :, None], rows, 0)
-    return dataclasses.replace(cache, mla_kv=cache.mla_kv.at[:, idx].set(rows.astype(cache.mla_kv.dtype)),
+    return dataclasses.replace(cache, mla_kv=cache.mla_kv.at[:, idx].set(rows.astype(cache.mla_kv.dtype), mode="drop"),
                                kda_state=cache.kda_state.at[:, slot].set(state),
                                kda_conv=cache.kda_conv.at[:, slot].set(conv))
 

@@ -26,7 +26,7 @@ from collections.abc import Hashable, Iterable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from ....intmath import cdiv, pad_pow2
+from ....intmath import cdiv, next_pow2, pad_pow2
 from ....model.cache import allocate_cache, cache_bytes
 
 from .device_ops import PROGRAMS
@@ -222,8 +222,9 @@ class CacheManager:
     def export_request(self, rid: Hashable, tokens: int) -> tuple:
         """``rid``'s KDA state and conv window (its slot) and the MLA rows of its first
         ``tokens`` tokens, as new device arrays ``(state [nK, H, dk, dv], conv [nK, W-1, 3P],
-        rows [nM, P', page_size, W])`` (``P'``: pages padded to a power of two). Dispatched
-        after every step launched so far, so the request may be released right after."""
+        rows [nM, P', page_size, W])`` in page order, whatever this cache's layout (``P'``:
+        pages padded to a power of two). Dispatched after every step launched so far, so the
+        request may be released right after. ``deal.py`` cuts it for the decode's layout."""
         if self.dispatch.num_processes > 1:
             raise NotImplementedError("a P/D handoff out of a multi-process engine is not supported yet")
         req = self._req(rid)
@@ -231,15 +232,54 @@ class CacheManager:
         idx, _ = self._prefix_index(req, tokens)
         return self._program("read")(self.device_cache, jnp.int32(req.slot), jnp.asarray(idx))
 
-    def import_request(self, rid: Hashable, arrays: tuple, tokens: int) -> None:
-        """Write an :meth:`export_request` of another engine (same model, page size and padding)
-        into ``rid``'s pages, which must cover ``tokens``, and its slot."""
+    def handoff_target(self, rid: Hashable, tokens: int):
+        """What ``rid``'s reservation needs of a ``tokens``-token handoff, laid out for this
+        cache (``deal.HandoffTarget``: the destination to send the prefill, where to pull each
+        piece, the load's block-order index). A pure function of the reservation."""
+        from .deal import Destination, HandoffTarget, without_slot_axis
+
+        req = self._req(rid)
+        n = cdiv(tokens, self.page_size)
+        if len(req.pages) < n:
+            raise ValueError(f"the request holds {len(req.pages)} pages, fewer than the {n} of {tokens} tokens")
+        group_blocks = tuple(req.group * self.dcp + r for r in range(self.dcp))
+        per = [[k for k in range(n) if self.block_for(req, k) == b] for b in group_blocks]
+        pb = next_pow2(max(1, max(len(x) for x in per)))
+        cache = self.device_cache
+        st, cv, kv = cache.kda_state, cache.kda_conv, cache.mla_kv
+        shapes = ((st.shape[0],) + st.shape[2:], (cv.shape[0],) + cv.shape[2:],
+                  (kv.shape[0], self.dp * self.dcp * pb) + kv.shape[2:])
+        shardings = (without_slot_axis(st.sharding, st.ndim), without_slot_axis(cv.sharding, cv.ndim), kv.sharding)
+        heads = {(sl[1].start or 0, sl[1].stop or shapes[0][1])
+                 for sl in shardings[0].devices_indices_map(shapes[0]).values()}
+        dest = Destination(head_count=next(iter(heads))[1] - next(iter(heads))[0],
+                           head_starts=tuple(sorted(h for h, _ in heads)),
+                           page_lists=tuple(tuple(x + [-1] * (pb - len(x))) for x in per))
+        index = np.full(self.dp * self.dcp * pb, self.pages.num_pages, np.int32)  # past the pool: dropped
+        pos0 = np.zeros_like(index)
+        for b, pages in zip(group_blocks, per):
+            index[b * pb: b * pb + len(pages)] = [req.pages[k] for k in pages]
+            pos0[b * pb: b * pb + len(pages)] = [k * self.page_size for k in pages]
+        return HandoffTarget(dest, shapes, (st.dtype, cv.dtype, kv.dtype), shardings, group_blocks, index, pos0)
+
+    def import_request(self, rid: Hashable, arrays: tuple, tokens: int, destination=None) -> None:
+        """Write a handoff into ``rid``'s pages, which must cover ``tokens``, and its slot:
+        ``arrays`` either an :meth:`export_request` of another engine (same model and page
+        size, any layout; dealt here) or, with ``destination``, the load inputs
+        ``deal.HandoffTarget.assemble`` built from pieces cut for that destination."""
         if self.dispatch.num_processes > 1:
             raise NotImplementedError("a P/D handoff into a multi-process engine is not supported yet")
+        from .deal import cut_pieces
+
         req = self._req(rid)
+        target = self.handoff_target(rid, tokens)
+        if destination is None:
+            devices = target.pull_devices()
+            arrays = target.assemble(cut_pieces(arrays, target.dest, devices[:1]))
+        elif destination != target.dest:
+            raise ValueError("the handoff was cut for another reservation than this request holds")
         self.flush_copies()
-        idx, pos0 = self._prefix_index(req, tokens)
-        self._load(arrays, idx, pos0, req.slot, tokens, "the handoff")
+        self._load(arrays, target.load_index, target.load_pos0, req.slot, tokens, "the handoff")
 
     def _run_drop(self, eid: int) -> None:
         self._host.pop(eid, None)

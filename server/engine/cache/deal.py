@@ -1,0 +1,164 @@
+"""How a P/D handoff's arrays reach the decode's devices, whatever the two layouts (issue #16).
+
+The prefill exports a request's cache in one layout-free form (``CacheManager.export_request``):
+KDA state ``[nK, H, dk, dv]``, conv windows ``[nK, W-1, C]`` and the MLA rows of its prompt's
+pages in page order ``[nM, P', ps, W]``. The decode's cache may be laid out otherwise: KDA heads
+split over mesh axes, a sequence's page k on DCP rank ``(k + rank0) mod dcp`` of its DP group,
+several DP groups. JAX's transfer server copies raw buffers and never reshards, so:
+
+1. the decode describes what its devices need (a :class:`Destination`, computed from its
+   reservation by ``CacheManager.handoff_target``);
+2. the prefill cuts one *piece* per distinct need out of its export (:func:`cut_pieces`):
+   the conv windows (every device needs all of them), one KDA-state piece per distinct head
+   range, and one rows piece per DCP rank of the request's group that holds a prompt page —
+   its pages in sequence order, padded with page ``-1`` (zeros, never written) to a common
+   power of two; piece r of each kind is staged on the prefill's device r, so between two equal
+   layouts rank r sends to rank r;
+3. the decode pulls each piece onto one device that needs it and builds its load's inputs
+   (:func:`assemble`), copying a piece locally to the other devices that hold the same bytes
+   (replicas over tensor-parallel ranks, the state over DP groups) and filling the page blocks
+   of other groups and of empty ranks with zeros that the load drops.
+
+The load writes the rows in *block order* ``[nM, blocks * Pb, ps, W]``, sharded over pages like
+the pool, so each device's part is exactly its own block's pages (``HandoffTarget.load_index``).
+One device and no recipe is the case of one block and one head range.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class Destination:
+    """What the decode's devices need of one request's handoff (sent to the prefill)."""
+    head_count: int  # KDA heads per state piece
+    head_starts: tuple[int, ...]  # one state piece per entry: heads [start, start + head_count)
+    page_lists: tuple[tuple[int, ...], ...]  # one rows piece per DCP rank: prompt page numbers, -1 = padding
+
+    @property
+    def pages_per_block(self) -> int:
+        return len(self.page_lists[0])
+
+    @property
+    def sent_ranks(self) -> tuple[int, ...]:
+        """The DCP ranks that get a rows piece: those holding a prompt page (a short prompt
+        leaves ranks empty; they are zeros the decode makes itself)."""
+        return tuple(r for r, pages in enumerate(self.page_lists) if any(k >= 0 for k in pages))
+
+    def piece_shapes(self, state_shape, conv_shape, rows_shape) -> list[tuple[int, ...]]:
+        """Shapes of the pieces, in order, given the export's ``[nK, H, dk, dv]``,
+        ``[nK, W-1, C]`` and ``[nM, P', ps, W]``."""
+        nK, _, dk, dv = state_shape
+        nM, _, ps, W = rows_shape
+        return ([tuple(conv_shape)] + [(nK, self.head_count, dk, dv)] * len(self.head_starts)
+                + [(nM, self.pages_per_block, ps, W)] * len(self.sent_ranks))
+
+    def check(self, num_heads: int, prompt_pages: int) -> None:
+        """ValueError unless this destination fits a ``num_heads``-head model and a prompt of
+        ``prompt_pages`` pages (a bad or hostile one must not index out of the export)."""
+        if not self.head_starts or self.head_count <= 0 or any(
+                h < 0 or h + self.head_count > num_heads for h in self.head_starts):
+            raise ValueError(f"head ranges {self.head_starts} x {self.head_count} do not fit {num_heads} heads")
+        if not self.page_lists or len({len(p) for p in self.page_lists}) != 1:
+            raise ValueError("the destination's page lists are missing or of different lengths")
+        real = sorted(k for p in self.page_lists for k in p if k != -1)
+        if real != list(range(prompt_pages)):
+            raise ValueError(f"the destination's page lists do not cover the prompt's {prompt_pages} pages once each")
+
+
+def cut_pieces(arrays, dest: Destination, devices) -> list:
+    """The prefill's side: the export ``(state, conv, rows)`` cut into ``dest``'s pieces, each
+    a single-device array (piece r of each kind on ``devices[r % len(devices)]``)."""
+    state, conv, rows = arrays
+    n = len(devices)
+    out = [jax.device_put(conv, devices[0])]
+    for r, h0 in enumerate(dest.head_starts):
+        out.append(jax.device_put(_heads(state, jnp.int32(h0), dest.head_count), devices[r % n]))
+    P_ = rows.shape[1]
+    for r in dest.sent_ranks:
+        pages = dest.page_lists[r]
+        idx = np.asarray([k if k >= 0 else P_ for k in pages], np.int32)  # past the end: zeros
+        out.append(jax.device_put(_pages(rows, jnp.asarray(idx)), devices[r % n]))
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _heads(state, h0, count):
+    return jax.lax.dynamic_slice_in_dim(state, h0, count, axis=1)
+
+
+@jax.jit
+def _pages(rows, idx):
+    return jnp.take(rows, idx, axis=1, mode="fill", fill_value=0)
+
+
+def without_slot_axis(sharding, ndim: int):
+    """The sharding of one slot of a ``[n, slots, ...]`` pool sharded as ``sharding``."""
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+        return NamedSharding(sharding.mesh, P(spec[0], *spec[2:]))
+    return sharding  # one device
+
+
+@dataclasses.dataclass
+class HandoffTarget:
+    """The decode's side of one request's handoff: the :class:`Destination` it asks for, where
+    each piece is pulled, and how the load's inputs are laid out."""
+    dest: Destination
+    shapes: tuple  # global shapes of the load's inputs: state, conv, rows in block order
+    dtypes: tuple
+    shardings: tuple  # their shardings (the pool's, without the slot axis for state and conv)
+    group_blocks: tuple[int, ...]  # the pool blocks of the request's DCP ranks, in rank order
+    load_index: np.ndarray  # [blocks * Pb] destination page of each block-order row (num_pages: dropped)
+    load_pos0: np.ndarray  # [blocks * Pb] first position of that page
+
+    def _need(self, which: int, dev) -> int | None:
+        """Index (into the pieces) of what device ``dev`` holds of input ``which`` (0 state,
+        1 conv, 2 rows), or None for zeros (another group's page block)."""
+        sl = self.shardings[which].devices_indices_map(self.shapes[which])[dev]
+        if which == 1:
+            return 0
+        if which == 0:
+            start = sl[1].start or 0
+            return 1 + self.dest.head_starts.index(start)
+        block = (sl[1].start or 0) // self.dest.pages_per_block
+        rank = self.group_blocks.index(block) if block in self.group_blocks else None
+        if rank in self.dest.sent_ranks:
+            return 1 + len(self.dest.head_starts) + self.dest.sent_ranks.index(rank)
+        return None
+
+    def pull_devices(self) -> list:
+        """One device per piece to pull it onto: the first that needs it."""
+        n = 1 + len(self.dest.head_starts) + len(self.dest.sent_ranks)
+        where: list = [None] * n
+        for which in range(3):
+            for dev in self.shardings[which].addressable_devices_indices_map(self.shapes[which]):
+                i = self._need(which, dev)
+                if i is not None and where[i] is None:
+                    where[i] = dev
+        if any(d is None for d in where):
+            raise RuntimeError(f"no device of this engine holds piece(s) {[i for i, d in enumerate(where) if d is None]}")
+        return where
+
+    def assemble(self, pieces) -> tuple:
+        """The load's inputs (state, conv, rows in block order) from the pulled pieces."""
+        out = []
+        for which in range(3):
+            shape, sharding = self.shapes[which], self.shardings[which]
+            bufs = []
+            for dev, sl in sharding.addressable_devices_indices_map(shape).items():
+                i = self._need(which, dev)
+                if i is None:
+                    local = tuple(len(range(*s.indices(n))) for s, n in zip(sl, shape))
+                    bufs.append(jnp.zeros(local, self.dtypes[which], device=dev))
+                else:
+                    piece = pieces[i]
+                    bufs.append(piece if piece.devices() == {dev} else jax.device_put(piece, dev))
+            out.append(jax.make_array_from_single_device_arrays(shape, sharding, bufs))
+        return tuple(out)
