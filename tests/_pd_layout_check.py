@@ -10,7 +10,8 @@ decode's devices, put together there and delivered. The decode's greedy tokens a
 logprobs must equal the one-device engine's; both sides end with every page and slot free.
 Mutations — the rows pieces of two DCP ranks swapped, two KDA-state pieces swapped — must
 change them. Prints one JSON line (``gap``: the largest logprob difference, inf when the
-tokens differ)."""
+tokens differ). With ``second_turn`` a second turn of the longest prompt goes the same way
+to a decode with prefix caching on, which must ask only for the pages past its cached prefix."""
 from __future__ import annotations
 
 import json
@@ -34,6 +35,7 @@ from k3serve.server.pd.transfer import TransferEndpoint, wait_ready  # noqa: E40
 
 ENGINES = {"one": (None, [0]), "dcp4a": ("ep=4,tp=1,dcp=4", range(4)), "dcp4b": ("ep=4,tp=1,dcp=4", range(4, 8)),
            "dp2": ("ep=4,tp=2,dp=2,dcp=2", range(8))}
+PREFIX = {"dcp4a"}  # engines with prefix caching on (the decode-side hit of a second turn)
 KW = dict(max_num_seqs=2, max_num_batched_tokens=16, chunk_size=8, page_size=4, max_model_len=64, num_pages=32,
           warmup=False, enable_prefix_caching=False)
 NEW = 5
@@ -50,10 +52,12 @@ def checkpoint(root: str) -> str:
 def engine(path: str, name: str) -> Engine:
     recipe, devs = ENGINES[name]
     devices = [jax.devices()[i] for i in devs]
-    return Engine(load_pretrained(path), recipe=recipe, devices=devices if recipe else None, **KW) if recipe \
-        else Engine(load_pretrained(path), **KW)
+    kw = dict(KW, enable_prefix_caching=name in PREFIX)
+    return Engine(load_pretrained(path), recipe=recipe, devices=devices, **kw) if recipe \
+        else Engine(load_pretrained(path), **kw)
 
 
+FIRST_PAGE: dict = {}  # request id -> pages its decode held already (prefix cache)
 PARAMS = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True, logprobs=1)
 
 
@@ -69,6 +73,7 @@ def handoff(pre: Engine, dec: Engine, ids, rid: str, ends, mutate: str | None = 
     while not reserved:
         dec.step()
     target = dec.cache_mgr.handoff_target(rid, len(ids))
+    FIRST_PAGE[rid] = target.dest.first_page
     pre_devices = sorted(pre.cache_mgr.device_cache.mla_kv.sharding.device_set, key=lambda d: d.id)
     pieces = cut_pieces(h.arrays, target.dest, pre_devices)
     if mutate:
@@ -118,6 +123,15 @@ def main():
         got, _ = handoff(engines[a], engines[b], prompts[-1], f"m/{what}/{pair}", ends, mutate=what)
         assert_all_free(engines[a]), assert_all_free(engines[b])
         res[f"mutated:{what}:{pair}"] = {"gap": logprob_gap(got, want[-1])}
+    if "second_turn" in spec:  # the third prompt's next turn: the decode maps its cached prefix
+        a, b = spec["second_turn"].split(">")
+        ids = prompts[-1] + list(want[-1].token_ids) + [1, 2, 3, 4, 5]
+        ref = run_to_end(one, [one.add_request(ids, PARAMS)])[0]
+        handoff(engines[a], engines[b], prompts[-1], "turn1", ends)  # (assert_all_free flushed the caches)
+        got, nbytes = handoff(engines[a], engines[b], ids, "turn2", ends)
+        assert_all_free(engines[a]), assert_all_free(engines[b])
+        res["turn2:" + spec["second_turn"]] = {"gap": logprob_gap(got, ref), "first_page": FIRST_PAGE["turn2"],
+                                               "bytes": nbytes}
     if "grpc" in spec:
         res["grpc:" + spec["grpc"]] = through_grpc(engines, spec["grpc"], prompts[-1], want[-1])
     print(json.dumps(res))

@@ -5,7 +5,8 @@ first token and hands over its KDA state, conv windows and MLA pages. A decode e
 with ``admit_prefilled`` and continues. The decode's outputs must be token-identical to one
 unified engine's — greedy, seeded sampling with penalties, logprobs — for prompts that end
 inside a page, on a page boundary and across several pages, with the prefix cache on and a
-second turn that hits it on the prefill side. A handoff whose KDA state is zeroed must change
+second turn that hits both prefix caches (the decode then asks only for the pages past its
+own cached prefix). A handoff whose KDA state is zeroed must change
 the output (so the suite would see a state that was never sent). Nothing leaks on either side.
 """
 from __future__ import annotations
@@ -78,13 +79,20 @@ def test_decode_output_equals_unified(engines, params):
         assert_all_free(eng)
 
 
-def test_second_turn_hits_prefill_prefix_cache(engines):
+def test_second_turn_hits_both_prefix_caches(engines):
+    """The second turn hits the prefill's prefix cache (it computes less) and the decode's
+    (the decode maps the cached prefix's whole pages and asks only for the rest)."""
     params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
     first = _prompts()[2]
     _, got1 = _pd(engines, [first], params)
     second = first + got1[0].token_ids + [5, 6, 7, 8, 9]
     want = _unified(engines, [second], params)
+    dec = engines["decode"]
+    hits, kv_hit = dec.prefix_cache.num_hits, dec.prefix_cache.kv_hit_tokens
     pre_outs, got = _pd(engines, [second], params)
+    # the decode registered the first turn's cache as it finished; its whole pages are reused
+    assert dec.prefix_cache.num_hits == hits + 1 and dec.prefix_cache.kv_hit_tokens - kv_hit >= 16, \
+        (dec.prefix_cache.num_hits - hits, dec.prefix_cache.kv_hit_tokens - kv_hit)
     assert pre_outs[0].cached_tokens > 0 and pre_outs[0].handoff.cached_tokens == pre_outs[0].cached_tokens
     assert got[0].cached_tokens == pre_outs[0].cached_tokens
     assert got[0].token_ids == want[0].token_ids

@@ -25,7 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PAIRS = ["one>dcp4a", "dcp4a>dcp4b", "dp2>one", "dcp4b>dp2"]
 LENGTHS = [3, 8, 21]
 # two children at once (compiles are single-threaded): three engines each
-SPECS = [{"lengths": LENGTHS, "pairs": PAIRS[:2], "mutate": [["rows", "one>dcp4a"], ["state", "one>dcp4a"]]},
+SPECS = [{"lengths": LENGTHS, "pairs": PAIRS[:2], "mutate": [["rows", "one>dcp4a"], ["state", "one>dcp4a"]],
+          "second_turn": "one>dcp4a"},
          {"lengths": LENGTHS, "pairs": PAIRS[2:], "grpc": "dcp4b>dp2"}]
 pytestmark = pytest.mark.slow  # an 8-device child with four engines of different recipes
 
@@ -46,6 +47,14 @@ def test_same_layout_sends_only_what_each_rank_holds(result):
     """Between two ``dcp=4`` engines the 21-token prompt's six pages go as four rows pieces of
     two pages (ranks hold 2, 2, 1, 1: padded to 2), never the whole prompt to every rank."""
     assert result["dcp4a>dcp4b"]["bytes"] == result["one>dcp4a"]["bytes"]
+
+
+def test_second_turn_reuses_the_decode_prefix_cache(result):
+    """A second turn (the 21-token prompt, its output and five more tokens) to the ``dcp=4``
+    decode with prefix caching on: it maps its cached prefix's whole pages (``first_page`` > 0)
+    and asks only for the rest, with the one-device tokens and logprobs."""
+    x = result["turn2:one>dcp4a"]
+    assert x["gap"] <= 1e-5 and x["first_page"] >= 4, x
 
 
 def test_through_the_grpc_servers(result):

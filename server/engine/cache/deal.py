@@ -19,6 +19,10 @@ several DP groups. JAX's transfer server copies raw buffers and never reshards, 
    (replicas over tensor-parallel ranks, the state over DP groups) and filling the page blocks
    of other groups and of empty ranks with zeros that the load drops.
 
+Pages the decode already holds from its own prefix cache (``Destination.first_page``: it
+maps the longest cached prefix's whole pages when it reserves) are not asked for: the
+prefill still sends the whole KDA state, which is the state after the prompt.
+
 The load writes the rows in *block order* ``[nM, blocks * Pb, ps, W]``, sharded over pages like
 the pool, so each device's part is exactly its own block's pages (``HandoffTarget.load_index``).
 One device and no recipe is the case of one block and one head range.
@@ -40,6 +44,7 @@ class Destination:
     head_count: int  # KDA heads per state piece
     head_starts: tuple[int, ...]  # one state piece per entry: heads [start, start + head_count)
     page_lists: tuple[tuple[int, ...], ...]  # one rows piece per DCP rank: prompt page numbers, -1 = padding
+    first_page: int = 0  # the decode holds the prompt's pages before this one already (its prefix cache)
 
     @property
     def pages_per_block(self) -> int:
@@ -68,8 +73,9 @@ class Destination:
         if not self.page_lists or len({len(p) for p in self.page_lists}) != 1:
             raise ValueError("the destination's page lists are missing or of different lengths")
         real = sorted(k for p in self.page_lists for k in p if k != -1)
-        if real != list(range(prompt_pages)):
-            raise ValueError(f"the destination's page lists do not cover the prompt's {prompt_pages} pages once each")
+        if real != list(range(self.first_page, prompt_pages)):
+            raise ValueError(f"the destination's page lists do not cover pages {self.first_page} to {prompt_pages - 1} "
+                             "of the prompt once each")
 
 
 def cut_pieces(arrays, dest: Destination, devices) -> list:

@@ -42,6 +42,7 @@ class _Request:
     pages: list[int]
     group: int = 0
     rank0: int = 0  # DCP rank of the sequence's first page (page k on rank (k + rank0) mod dcp)
+    shared: int = 0  # leading pages mapped from the prefix cache (map_shared): read-only
 
 
 class CacheManager:
@@ -121,6 +122,7 @@ class CacheManager:
                 raise ValueError(f"page {p} cannot be page {k} of request {rid!r} (wrong DCP/DP block)")
         self.pages.incref(pages)
         req.pages.extend(pages)
+        req.shared = len(pages)
 
     def copy_on_write(self, rid: Hashable, src_page: int) -> bool:
         """Give ``rid`` a fresh next page holding a copy of ``src_page``'s rows (a shared, partly
@@ -235,7 +237,8 @@ class CacheManager:
     def handoff_target(self, rid: Hashable, tokens: int):
         """What ``rid``'s reservation needs of a ``tokens``-token handoff, laid out for this
         cache (``deal.HandoffTarget``: the destination to send the prefill, where to pull each
-        piece, the load's block-order index). A pure function of the reservation."""
+        piece, the load's block-order index). A pure function of the reservation. Pages the
+        request maps from this engine's prefix cache are neither asked for nor written."""
         from .deal import Destination, HandoffTarget, without_slot_axis
 
         req = self._req(rid)
@@ -243,7 +246,7 @@ class CacheManager:
         if len(req.pages) < n:
             raise ValueError(f"the request holds {len(req.pages)} pages, fewer than the {n} of {tokens} tokens")
         group_blocks = tuple(req.group * self.dcp + r for r in range(self.dcp))
-        per = [[k for k in range(n) if self.block_for(req, k) == b] for b in group_blocks]
+        per = [[k for k in range(req.shared, n) if self.block_for(req, k) == b] for b in group_blocks]
         pb = next_pow2(max(1, max(len(x) for x in per)))
         cache = self.device_cache
         st, cv, kv = cache.kda_state, cache.kda_conv, cache.mla_kv
@@ -252,7 +255,7 @@ class CacheManager:
         shardings = (without_slot_axis(st.sharding, st.ndim), without_slot_axis(cv.sharding, cv.ndim), kv.sharding)
         heads = {(sl[1].start or 0, sl[1].stop or shapes[0][1])
                  for sl in shardings[0].devices_indices_map(shapes[0]).values()}
-        dest = Destination(head_count=next(iter(heads))[1] - next(iter(heads))[0],
+        dest = Destination(first_page=req.shared, head_count=next(iter(heads))[1] - next(iter(heads))[0],
                            head_starts=tuple(sorted(h for h, _ in heads)),
                            page_lists=tuple(tuple(x + [-1] * (pb - len(x))) for x in per))
         index = np.full(self.dp * self.dcp * pb, self.pages.num_pages, np.int32)  # past the pool: dropped

@@ -183,6 +183,15 @@ class PrefixCache:
             if snap is not None:
                 self.cache_mgr.copy_slot(self.cache_mgr.slot_of(req.rid), snap)
                 self._held.setdefault(req.rid, []).append((hit.tokens, snap, False))
+        elif hit is not None and req.awaiting:
+            # P/D decode: the prefix's whole pages are not sent (``deal.Destination.first_page``);
+            # the handoff brings the state after the prompt, so no snapshot is read
+            full = hit.tokens // self.cache_mgr.page_size
+            self.cache_mgr.map_shared(req.rid, hit.pages[:full])
+            n = hit.tokens // self.unit
+            self.num_hits += 1
+            self.hit_tokens += hit.tokens
+            self.kv_hit_tokens += full * self.cache_mgr.page_size
         elif hit is not None:
             ps = self.cache_mgr.page_size
             full = hit.tokens // ps
