@@ -16,8 +16,9 @@ $(STAMP): $(BIN)/python pyproject.toml setup.py
 
 install: $(STAMP)
 
+# two workers, whole modules each (module fixtures are built once): compiles are single-threaded
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # The wheel, installed (not editable) in a fresh temporary venv: console script, API, every module.
 wheel-check: $(STAMP)

@@ -1,7 +1,7 @@
 """pytest configuration: the tests folder is on sys.path (pyproject) for ``_util``.
 
 One persistent XLA compilation cache per test session (a fresh temporary folder, removed at
-exit): engines built by different test modules with the same shapes load the compiled step
+exit, shared by the session's xdist workers): engines built by different test modules with the same shapes load the compiled step
 instead of compiling it again. Nothing is shared between sessions, so a stale cache can never
 mask a change.
 
@@ -15,6 +15,7 @@ every full run (``test_prefix_engine.py``), while the module alone passed.
 """
 import atexit
 import gc
+import os
 import shutil
 import tempfile
 
@@ -25,8 +26,13 @@ from k3serve.compile_cache import enable_compile_cache
 # ``<home>/jax``: a ``k3serve serve`` subprocess given ``K3SERVE_CACHE=<home>`` (``cache_home``)
 # opens the very same path, and so hits what this process compiled (the cache's keys differ
 # when the same folder is reached by another path, a symlink included)
-_HOME = tempfile.mkdtemp(prefix="k3serve-test-")
-atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
+# Under pytest-xdist (``make test`` runs two workers) the workers inherit the controller's
+# folder through the environment, so a program one worker compiled is a hit for the other;
+# only the process that made the folder removes it.
+_HOME = os.environ.get("K3SERVE_TEST_HOME")
+if not _HOME:
+    _HOME = os.environ["K3SERVE_TEST_HOME"] = tempfile.mkdtemp(prefix="k3serve-test-")
+    atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
 _CACHE = enable_compile_cache(f"{_HOME}/jax", min_compile_secs=1.0)
 
 
