@@ -72,6 +72,10 @@ class Destination:
             raise ValueError(f"head ranges {self.head_starts} x {self.head_count} do not fit {num_heads} heads")
         if not self.page_lists or len({len(p) for p in self.page_lists}) != 1:
             raise ValueError("the destination's page lists are missing or of different lengths")
+        if len(set(self.head_starts)) * self.head_count > num_heads or len(set(self.head_starts)) != len(self.head_starts):
+            raise ValueError("the destination's head ranges overlap")
+        if self.pages_per_block > 2 * max(1, prompt_pages):  # a power of two over at most that many pages
+            raise ValueError("the destination pads its page lists beyond the prompt")
         real = sorted(k for p in self.page_lists for k in p if k != -1)
         if real != list(range(self.first_page, prompt_pages)):
             raise ValueError(f"the destination's page lists do not cover pages {self.first_page} to {prompt_pages - 1} "
