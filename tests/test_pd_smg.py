@@ -251,6 +251,23 @@ def test_sixteen_concurrent_with_a_third_cancelled(stack):
     _both_idle(stack)
 
 
+def test_replayer_through_smg(stack):
+    """``replay(..., router_url=...)`` (``k3serve bench pd --via smg``) sends each trace row to
+    smg's ``/generate`` with its token ids; smg dispatches both legs. Every request completes
+    with its output length, token times are recorded, and both servers end idle."""
+    from k3serve.server.client.replay import replay
+
+    trace = [{"timestamp": 0, "input_length": 20, "output_length": 4, "hash_ids": [1, 2]},
+             {"timestamp": 10, "input_length": 40, "output_length": 3, "hash_ids": [1, 2, 3]},
+             {"timestamp": 20, "input_length": 36, "output_length": 5, "hash_ids": [4, 5, 6]}]
+    res = replay(f"127.0.0.1:{stack['dec'].port}", trace, block_size=16, concurrency=2, progress=False,
+                 router_url=stack["base"], vocab_size=4096, avoid_ids=[0, 1, 2, 3])
+    assert res["ok"] == 3 and res["failed"] == 0, res["errors"]
+    assert res["completion_tokens"] == 12 and res["output_length_mismatches"] == 0
+    assert res["prompt_tokens"] == 96 and res["ttft_ms"]["n"] == 3 and res["tpot_ms"]["n"] == 3
+    _both_idle(stack)
+
+
 IDS = list(range(5, 45))  # 40 tokens: three pages of 16
 
 

@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation against one unified server, on the same agentic trace.
 
-    k3serve bench pd [--model DIR|demo] [--sessions 8] [--seed 0] [--time-scale 1.0] [--json out.json]
+    k3serve bench pd [--model DIR|demo] [--sessions 8] [--seed 0] [--time-scale 1.0] [--via direct|smg]
+        [--json out.json]
     (= python -m k3serve.server.bench.pd ...)
 
 Pass ``unified``: one in-process gRPC server. Pass ``pd``: a ``--role prefill`` and a ``--role
@@ -11,6 +12,10 @@ Reported per pass: TTFT, TPOT and end-to-end percentiles; for ``pd`` also the by
 request, the pull time per handoff (decode: pull start to arrays ready) and the prefill's
 staging time. All servers share this machine's cores, so on a CPU box the P/D pass shows the
 protocol's cost, not the gain of separate accelerators.
+
+``--via smg`` puts PyPI ``smg`` in front of each pass (a plain router over the unified server, a
+``--pd-disaggregation`` router over the pair) and replays through its ``/generate`` route:
+smg does the dual dispatch, and the times are what an smg client sees.
 """
 from __future__ import annotations
 
@@ -44,12 +49,15 @@ def _server(model, engine_kw, role=None):
 def _figures(res) -> dict:
     return {"ok": res["ok"], "failed": res["failed"], "duration_s": round(res["duration_s"], 2),
             "ttft_ms": res["ttft_ms"], "tpot_ms": res["tpot_ms"], "e2e_ms": res["e2e_ms"],
-            "output_tokens_per_s": res["output_tokens_per_s"], "error_counts": res.get("error_counts")}
+            "output_tokens_per_s": res["output_tokens_per_s"], "error_counts": res.get("error_counts"),
+            "errors": res.get("errors", [])[:3]}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_trace_flags(ap)
+    ap.add_argument("--via", choices=("direct", "smg"), default="direct",
+                    help="replay to the servers directly (the replayer dispatches both P/D legs) or through smg")
     ap.add_argument("--json", help="also write the report to this file")
     a = ap.parse_args(argv)
 
@@ -58,20 +66,27 @@ def main(argv=None) -> int:
     from k3serve.server.client.replay import replay
     from k3serve.server.client.traces import generate_trace, trace_summary
 
+    from .smg_router import router
+
     enable_compile_cache()
     model_dir = resolve_model(a.model)
     model = load_pretrained(model_dir, dtype="float32")
     trace = generate_trace(a.seed, a.sessions, block_size=a.block_size, preset="tiny", max_context_tokens=a.max_model_len)
     kw = dict(max_num_seqs=a.max_num_seqs, chunk_size=a.chunk_size, page_size=a.page_size, max_model_len=a.max_model_len,
               max_num_batched_tokens=max(256, a.chunk_size))
-    report = {"model": str(model_dir), "trace": trace_summary(trace, a.block_size), "engine": kw}
+    report = {"model": str(model_dir), "trace": trace_summary(trace, a.block_size), "engine": kw, "via": a.via}
     rkw = dict(block_size=a.block_size, time_scale=a.time_scale, progress=False, avoid_ids=[],
                vocab_size=model.config.vocab_size)
 
     print(f"bench pd: pass 'unified' ({len(trace)} requests)...", file=sys.stderr, flush=True)
     server, loop, _ = _server(model, kw)
     try:
-        report["unified"] = _figures(replay(f"127.0.0.1:{server.port}", trace, **rkw))
+        if a.via == "smg":
+            with router(model_dir, worker=server.port) as url:
+                res = replay(f"127.0.0.1:{server.port}", trace, router_url=url, **rkw)
+        else:
+            res = replay(f"127.0.0.1:{server.port}", trace, **rkw)
+        report["unified"] = _figures(res)
     finally:
         server.shutdown(grace_s=5)
 
@@ -79,9 +94,14 @@ def main(argv=None) -> int:
     pre = _server(model, kw, "prefill")
     dec = _server(model, kw, "decode")
     try:
-        t = time.perf_counter()
-        res = replay(f"127.0.0.1:{dec[0].port}", trace, prefill_target=f"127.0.0.1:{pre[0].port}",
-                     bootstrap_port=pre[2].port, **rkw)
+        if a.via == "smg":
+            with router(model_dir, prefill=(pre[0].port, pre[2].port), decode=dec[0].port) as url:
+                t = time.perf_counter()
+                res = replay(f"127.0.0.1:{dec[0].port}", trace, router_url=url, **rkw)
+        else:
+            t = time.perf_counter()
+            res = replay(f"127.0.0.1:{dec[0].port}", trace, prefill_target=f"127.0.0.1:{pre[0].port}",
+                         bootstrap_port=pre[2].port, **rkw)
         rooms, d = pre[2].rooms, dec[2]
         report["pd"] = {**_figures(res), "handoffs": d.handoffs,
                         "bytes_per_request": round(d.bytes_received / max(1, d.handoffs)),

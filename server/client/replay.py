@@ -179,6 +179,25 @@ class RequestStats:
             self.complete = True
             self.t_end = now
 
+    def on_event(self, obj: dict, now: float) -> None:
+        """One event of a router's ``/generate`` stream (``router_http.py``): counters are
+        cumulative, so new tokens are the growth of ``completion_tokens``."""
+        meta = obj.get("meta_info") or {}
+        k = int(meta.get("completion_tokens", 0)) - self.tokens
+        if k > 0:
+            if self.t_first is None:
+                self.t_first = now
+            else:
+                self.itls.extend([(now - self.t_last_tok) / k] * k)
+            self.t_last_tok = now
+            self.tokens += k
+        self._counts(meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0), meta.get("cached_tokens", 0))
+        if meta.get("finish_reason"):
+            fr = meta["finish_reason"]
+            self.finish_reason = fr.get("type") if isinstance(fr, dict) else fr
+            self.complete = True
+            self.t_end = now
+
     def _counts(self, prompt, completion, cached):
         # cumulative counters: keep the largest seen (robust to a final message leaving one at 0)
         self.prompt_tokens = max(self.prompt_tokens, int(prompt))
@@ -275,7 +294,8 @@ async def replay_async(target: str, trace: list[dict], *, block_size: int = 512,
                        avoid_ids: Iterable[int] | None = None, token_cap: int | None = DEFAULT_TOKEN_CAP,
                        connect_timeout_s: float = 30.0, wait_ready_s: float = 0.0,
                        request_id_prefix: str | None = None, progress_stream=None,
-                       prefill_target: str | None = None, bootstrap_port: int = 8998) -> dict:
+                       prefill_target: str | None = None, bootstrap_port: int = 8998,
+                       router_url: str | None = None) -> dict:
     """See :func:`replay`."""
     if concurrency is not None and concurrency < 1:
         raise ValueError("concurrency must be >= 1")
@@ -319,6 +339,39 @@ async def replay_async(target: str, trace: list[dict], *, block_size: int = 512,
         state = {"in_flight": 0, "max_in_flight": 0, "done": 0, "ok": 0, "failed": 0}
         bar = _Progress(n, progress, progress_stream)
         sem = asyncio.Semaphore(concurrency) if concurrency is not None else None
+        pool = None
+        if router_url is not None:  # one blocking HTTP stream per request in flight
+            from concurrent.futures import ThreadPoolExecutor
+
+            from .router_http import served_model
+
+            pool = ThreadPoolExecutor(max_workers=concurrency or 256, thread_name_prefix="replay-http")
+            router_model = await asyncio.get_running_loop().run_in_executor(pool, served_model, router_url)
+
+        async def run_http(st: RequestStats, ids, output_length):
+            from .router_http import RouterError, stream_generate
+
+            state["in_flight"] += 1
+            state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
+            try:
+                st.t_send = time.perf_counter()
+                await asyncio.get_running_loop().run_in_executor(
+                    pool, stream_generate, router_url, router_model, st.request_id, ids, output_length, timeout_s,
+                    st.on_event)
+                if not st.complete:
+                    st.error = {"code": "INCOMPLETE", "message": "stream ended without a finish reason"}
+            except RouterError as e:
+                st.error = {"code": e.code, "message": str(e)}
+            except Exception as e:  # a client-side bug must not stop the run
+                st.error = {"code": "CLIENT_ERROR", "message": f"{type(e).__name__}: {e}"}
+            finally:
+                if st.t_end is None:
+                    st.t_end = time.perf_counter()
+                state["in_flight"] -= 1
+                state["done"] += 1
+                state["ok" if st.error is None else "failed"] += 1
+                if sem is not None:
+                    sem.release()
 
         async def run_one(st: RequestStats, req):
             state["in_flight"] += 1
@@ -380,7 +433,10 @@ async def replay_async(target: str, trace: list[dict], *, block_size: int = 512,
                 st = RequestStats(i, rid, len(ids), int(row["output_length"]))
                 st.t_scheduled = t_sched
                 stats[i] = st
-                tasks.append(asyncio.create_task(run_one(st, _build_request(rid, ids, row["output_length"]))))
+                if router_url is not None:
+                    tasks.append(asyncio.create_task(run_http(st, ids, row["output_length"])))
+                else:
+                    tasks.append(asyncio.create_task(run_one(st, _build_request(rid, ids, row["output_length"]))))
                 await asyncio.sleep(0)  # let the new call start and running streams be read
             if tasks:
                 await asyncio.gather(*tasks)
@@ -392,6 +448,8 @@ async def replay_async(target: str, trace: list[dict], *, block_size: int = 512,
                 bar.show(state["done"], state["ok"], state["failed"], state["in_flight"], final=True)
             if pchannel is not None:
                 await pchannel.close()
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         t_end = max((s.t_end for s in stats if s is not None and s.t_end is not None), default=time.perf_counter())
     result = _aggregate([s for s in stats if s is not None], t_end - t0)
     result.update({"target": target, "mode": "concurrency" if concurrency is not None else "timestamps",
@@ -446,11 +504,13 @@ def replay(target: str, trace: list[dict], *, block_size: int = 512, concurrency
            progress: bool = True, api_key: str | None = None, avoid_ids: Iterable[int] | None = None,
            token_cap: int | None = DEFAULT_TOKEN_CAP, connect_timeout_s: float = 30.0, wait_ready_s: float = 0.0,
            request_id_prefix: str | None = None, progress_stream=None, prefill_target: str | None = None,
-           bootstrap_port: int = 8998) -> dict:
+           bootstrap_port: int = 8998, router_url: str | None = None) -> dict:
     """Replay ``trace`` (Mooncake rows) against the gRPC server at ``target`` ("host:port").
     With ``prefill_target`` each request also goes to that P/D prefill server, with the same
     ``disaggregated_params`` (smg's dual dispatch; ``target`` is the decode, whose stream is
-    measured).
+    measured). With ``router_url`` (e.g. ``http://127.0.0.1:30000``) every request goes through
+    that router's ``/generate`` route instead (``router_http.py``: what an smg client sees);
+    ``target`` is then asked only for the model's vocabulary and eos ids.
 
     ``concurrency=N``: at most N requests in flight, trace order, timestamps ignored; otherwise
     each row is sent at ``(timestamp - first timestamp) * time_scale`` ms after the start
@@ -468,7 +528,8 @@ def replay(target: str, trace: list[dict], *, block_size: int = 512, concurrency
               seed=seed, timeout_s=timeout_s, progress=progress, api_key=api_key, avoid_ids=avoid_ids,
               token_cap=token_cap, connect_timeout_s=connect_timeout_s, wait_ready_s=wait_ready_s,
               request_id_prefix=request_id_prefix,
-              progress_stream=progress_stream, prefill_target=prefill_target, bootstrap_port=bootstrap_port)
+              progress_stream=progress_stream, prefill_target=prefill_target, bootstrap_port=bootstrap_port,
+              router_url=router_url)
     try:
         asyncio.get_running_loop()
     except RuntimeError:

@@ -142,9 +142,9 @@ class Scheduler:
             if len(plan.rows) >= self.max_num_seqs or budget <= 0 or plan.preempted:
                 break
             pre = req.awaiting  # P/D decode: the prompt is computed elsewhere, its cache arrives
-            hit = self.prefix_cache.lookup(req) if self.prefix_cache is not None else None
-            if pre and (hit == "wait" or (hit is not None and hit.host_key is not None)):
-                hit = None  # a P/D decode maps only the pages it holds on the device, and never waits
+            hit = None
+            if self.prefix_cache is not None:  # a P/D decode maps only pages held on the device, never waits
+                hit = self.prefix_cache.lookup_pages(req) if pre else self.prefix_cache.lookup(req)
             if hit == "wait":
                 continue  # another running request is computing this prefix: resume from it later
             if hit is not None and hit.group is not None and not self.cache_mgr.admit(req.rid, group=hit.group,

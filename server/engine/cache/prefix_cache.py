@@ -157,6 +157,17 @@ class PrefixCache:
         group, rank0 = self.cache_mgr.placement_of_page(pages[0], 0)
         return Hit(n * self.unit, pages, snap, group, rank0)
 
+    def lookup_pages(self, req) -> Hit | None:
+        """For a P/D decode: the longest cached prefix's whole pages, snapshot or not (the
+        handoff brings the KDA state after the prompt), or None."""
+        hashes = self.chain(req)
+        n, pages = self.index.match(hashes[:min(len(hashes), (req.num_tokens - 1) // self.unit)])
+        full = n * self.unit // self.cache_mgr.page_size
+        if full == 0:
+            return None
+        group, rank0 = self.cache_mgr.placement_of_page(pages[0], 0)
+        return Hit(full * self.cache_mgr.page_size, pages[:full], None, group, rank0)
+
     def start(self, req, hit: Hit | None) -> bool:
         """After ``mgr.admit``: map the hit (pages shared, tail page copied, snapshot copied into
         the request's slot) and set the request's boundaries. False if the copy-on-write page
