@@ -348,11 +348,23 @@ async def replay_async(target: str, trace: list[dict], *, block_size: int = 512,
             pool = ThreadPoolExecutor(max_workers=concurrency or 256, thread_name_prefix="replay-http")
             router_model = await asyncio.get_running_loop().run_in_executor(pool, served_model, router_url)
 
+        def begin() -> None:
+            state["in_flight"] += 1
+            state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
+
+        def end(st: RequestStats) -> None:
+            if st.t_end is None:
+                st.t_end = time.perf_counter()
+            state["in_flight"] -= 1
+            state["done"] += 1
+            state["ok" if st.error is None else "failed"] += 1
+            if sem is not None:
+                sem.release()
+
         async def run_http(st: RequestStats, ids, output_length):
             from .router_http import RouterError, stream_generate
 
-            state["in_flight"] += 1
-            state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
+            begin()
             try:
                 st.t_send = time.perf_counter()
                 await asyncio.get_running_loop().run_in_executor(
@@ -365,17 +377,10 @@ async def replay_async(target: str, trace: list[dict], *, block_size: int = 512,
             except Exception as e:  # a client-side bug must not stop the run
                 st.error = {"code": "CLIENT_ERROR", "message": f"{type(e).__name__}: {e}"}
             finally:
-                if st.t_end is None:
-                    st.t_end = time.perf_counter()
-                state["in_flight"] -= 1
-                state["done"] += 1
-                state["ok" if st.error is None else "failed"] += 1
-                if sem is not None:
-                    sem.release()
+                end(st)
 
         async def run_one(st: RequestStats, req):
-            state["in_flight"] += 1
-            state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
+            begin()
             prefill_leg = None
             try:
                 st.t_send = time.perf_counter()
@@ -401,13 +406,7 @@ async def replay_async(target: str, trace: list[dict], *, block_size: int = 512,
             finally:
                 if prefill_leg is not None and not prefill_leg.done():
                     prefill_leg.cancel()
-                if st.t_end is None:
-                    st.t_end = time.perf_counter()
-                state["in_flight"] -= 1
-                state["done"] += 1
-                state["ok" if st.error is None else "failed"] += 1
-                if sem is not None:
-                    sem.release()
+                end(st)
 
         async def ticker():
             while True:
