@@ -33,7 +33,3 @@ class Handoff:
     # inputs assembled from pieces cut for it (cache/deal.py)
     arrays: tuple
     destination: object = None  # cache.deal.Destination the arrays were dealt for, or None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(a.size) * a.dtype.itemsize for a in self.arrays)

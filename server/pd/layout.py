@@ -54,7 +54,7 @@ def piece_specs(engine, prompt_len: int, dest: Destination) -> list[tuple[tuple[
     """``(shape, dtype)`` of the pieces ``dest`` asks for, in order (``cache/deal.py``)."""
     (st, st_d), (cv, cv_d), (kv, kv_d) = export_specs(engine, prompt_len)
     shapes = dest.piece_shapes(st, cv, kv)
-    dtypes = [cv_d] + [st_d] * len(dest.head_starts) + [kv_d] * len(dest.page_lists)
+    dtypes = [cv_d] + [st_d] * len(dest.head_starts) + [kv_d] * len(dest.sent_ranks)
     return list(zip(shapes, dtypes))
 
 

@@ -207,7 +207,7 @@ class PrefillSide:
         msg = pb.Handoff(bootstrap_room=room.key[0], request_id=room.key[1], prompt_crc32=room.request.prompt_crc32,
                          prompt_len=h.prompt_len, first_token=h.first_token, cached_tokens=h.cached_tokens,
                          transfer_address=self.transfer.address, transfer_uuid=uuid,
-                         nbytes=sum(int(a.size) * a.dtype.itemsize for a in pieces),
+                         nbytes=sum(int(a.nbytes) for a in pieces),
                          arrays=[pb.TensorSpec(shape=a.shape, dtype=str(a.dtype)) for a in pieces])
         if h.logprob is not None:
             lp, top = h.logprob

@@ -276,9 +276,8 @@ class CacheManager:
 
         req = self._req(rid)
         target = self.handoff_target(rid, tokens)
-        if destination is None:
-            devices = target.pull_devices()
-            arrays = target.assemble(cut_pieces(arrays, target.dest, devices[:1]))
+        if destination is None:  # cut and put together here (one device cuts; assemble copies)
+            arrays = target.assemble(cut_pieces(arrays, target.dest, target.pull_devices()[:1]))
         elif destination != target.dest:
             raise ValueError("the handoff was cut for another reservation than this request holds")
         self.flush_copies()

@@ -194,23 +194,17 @@ class PrefixCache:
             if snap is not None:
                 self.cache_mgr.copy_slot(self.cache_mgr.slot_of(req.rid), snap)
                 self._held.setdefault(req.rid, []).append((hit.tokens, snap, False))
-        elif hit is not None and req.awaiting:
-            # P/D decode: the prefix's whole pages are not sent (``deal.Destination.first_page``);
-            # the handoff brings the state after the prompt, so no snapshot is read
-            full = hit.tokens // self.cache_mgr.page_size
-            self.cache_mgr.map_shared(req.rid, hit.pages[:full])
-            n = hit.tokens // self.unit
-            self.num_hits += 1
-            self.hit_tokens += hit.tokens
-            self.kv_hit_tokens += full * self.cache_mgr.page_size
         elif hit is not None:
             ps = self.cache_mgr.page_size
             full = hit.tokens // ps
             self.cache_mgr.map_shared(req.rid, hit.pages[:full])
             # the first step reads the snapshot and writes the own slot; until it is launched
-            # the snapshot may not be evicted (a host reload could copy into its slot first)
-            req.read_slot = hit.snapshot
-            self.index.pinned.add(hit.snapshot)
+            # the snapshot may not be evicted (a host reload could copy into its slot first).
+            # A P/D decode's hit (``lookup_pages``) has whole pages and no snapshot: the
+            # handoff brings the state after the prompt and only the later pages.
+            if hit.snapshot is not None:
+                req.read_slot = hit.snapshot
+                self.index.pinned.add(hit.snapshot)
             if hit.tokens % ps:
                 group = self.cache_mgr.group_of(req.rid)
                 while not self.cache_mgr.copy_on_write(req.rid, hit.pages[full]):
