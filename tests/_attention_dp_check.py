@@ -32,7 +32,8 @@ def checkpoint(root: str, heads: int, experts: int, top_k: int) -> str:
                     qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, num_experts=experts,
                     num_experts_per_token=top_k, num_shared_experts=1, moe_intermediate_size=32,
                     routed_expert_hidden_size=32, intermediate_size=64, attn_res_block_size=2)
-    return str(generate_checkpoint(os.path.join(root, f"h{heads}e{experts}"), cfg, seed=heads + experts))
+    out = os.path.join(root, f"h{heads}e{experts}-{os.getpid()}")  # one per child: children run at once
+    return str(generate_checkpoint(out, cfg, seed=heads + experts))
 
 
 def prompts_for(n: int, vocab: int):

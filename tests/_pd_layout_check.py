@@ -46,7 +46,7 @@ def checkpoint(root: str) -> str:
                     kda_head_dim=16, mla_heads=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
                     qk_rope_head_dim=8, v_head_dim=8, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
                     moe_intermediate_size=32, routed_expert_hidden_size=32, intermediate_size=64, attn_res_block_size=2)
-    return str(generate_checkpoint(os.path.join(root, "h8e8"), cfg, seed=3))
+    return str(generate_checkpoint(os.path.join(root, f"h8e8-{os.getpid()}"), cfg, seed=3))
 
 
 def engine(path: str, name: str) -> Engine:
