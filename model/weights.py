@@ -244,9 +244,12 @@ def _set_row(stack, row, g):
 
 
 def _zeros(shape: tuple, dtype, sharding) -> jax.Array:
+    """Zeros on ``sharding`` (default: the default device), made on the host shard by shard:
+    no program to compile per stack shape."""
     if sharding is None:
-        return jnp.zeros(shape, dtype)
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+        return jax.device_put(np.zeros(shape, dtype))
+    block = tuple(sharding.shard_shape(tuple(shape)))
+    return jax.make_array_from_callback(tuple(shape), sharding, lambda idx: np.zeros(block, dtype), dtype=dtype)
 
 
 def _row_sharding(sharding):
@@ -296,13 +299,20 @@ def _placed(host: np.ndarray, shape: tuple, dtype, sharding) -> jax.Array:
 
 def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarray], tuple]], *,
                  ckpt_cfg=None, dequantize_experts: bool = False, source: str = "checkpoint",
-                 placement: Callable[[str, tuple], "jax.sharding.Sharding | None"] | None = None) -> None:
+                 placement: Callable[[str, tuple], "jax.sharding.Sharding | None"] | None = None,
+                 sink: Callable | None = None) -> None:
     """Fill ``model``'s parameters from ``(name, read_fn, shape)`` triples, one at a time.
 
     ``model`` may be abstract (``nnx.eval_shape``): every parameter is replaced. ``ckpt_cfg``
     describes the checkpoint when it differs from the model's (dequantize-at-load).
     ``placement(param_path, shape)`` may name a sharding per parameter (see the module doc);
     ``None`` from it, or no ``placement``, puts the parameter whole on the default device.
+
+    ``sink(param_path, row, host, shape, dtype)``, if given, receives each converted parameter
+    (``row`` None) or row of a layer-stacked parameter (``host`` is then that row, ``shape`` the
+    whole stack's) instead of the model: what ``checkpoints.preshard`` writes out. ``host`` may
+    be unread checkpoint data (index it, or ``np.asarray``). The model is left abstract, a
+    tied LM head is not sent (it is the embedding), and every parameter must still arrive.
     """
     E = cfg.num_experts
     staged: dict[tuple, tuple[np.ndarray, list]] = {}  # (id(var), group) -> (expert stack buffer, filled flags)
@@ -321,8 +331,17 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
             asked[id(var)] = placement(by_id[id(var)], shape)
         return asked[id(var)]
 
+    sunk: dict[int, set] = {}  # with a sink: id(var) of a stacked parameter -> rows sent
+
     def put(var, arr: np.ndarray, shape: tuple, dtype, group: int | None):
         """``arr`` becomes the parameter (``group`` None) or its row ``group`` of a stack."""
+        if sink is not None:
+            sink(by_id[id(var)], group, arr, shape, dtype)
+            rows = sunk.setdefault(id(var), set())
+            rows.add(group)
+            if group is None or len(rows) == shape[0]:
+                done.add(id(var))
+            return
         if group is None:
             sharding = sharding_of(var, shape)
             var.set_value(jnp.asarray(np.asarray(arr).astype(dtype)) if sharding is None
@@ -430,7 +449,9 @@ def load_weights(model, cfg, tensors: Iterable[tuple[str, Callable[[], np.ndarra
     if absent:
         more = f" (and {len(absent) - 10} more)" if len(absent) > 10 else ""
         raise CheckpointError(f"{source}: missing tensors: {', '.join(absent[:10])}{more}")
-    if cfg.tie_word_embeddings and "lm_head.weight" not in seen_stripped:
+    if cfg.tie_word_embeddings and "lm_head.weight" not in seen_stripped and sink is not None:
+        done.add(id(model.lm_head.weight))
+    elif cfg.tie_word_embeddings and "lm_head.weight" not in seen_stripped:
         emb = model.embed_tokens.get_value()
         sharding = sharding_of(model.lm_head.weight, tuple(emb.shape))
         if sharding is not None and emb.sharding != sharding:  # device to device, slice by slice

@@ -5,6 +5,8 @@ Subcommands:
   info       print a checkpoint's parsed config and parameter count
   plan       memory per device and max concurrent requests for parallelism recipes
   serve      serve a checkpoint over gRPC (SGLang scheduler protocol, health, reflection)
+  preshard   ``preshard SRC DST --recipe R``: safetensors -> Orbax laid out for a recipe;
+             ``preshard verify DST [--source SRC]`` (server/cli_preshard.py)
   bench      ``bench --server HOST:PORT --trace T.jsonl``: replay a Mooncake trace over gRPC
              (server/client/replay.py); ``bench offline``: engine throughput at several
              concurrencies; ``bench prefix``: the agentic trace with prefix caching on and off;
@@ -119,9 +121,19 @@ def cmd_generate(args) -> int:
 
 
 def cmd_info(args) -> int:
+    from ..checkpoints.preshard_format import is_preshard, read_manifest
     from ..checkpoints.safetensors_io import open_checkpoint
     from ..model.config import K3Config
 
+    if is_preshard(_model_dir(args)):
+        man = read_manifest(_model_dir(args))
+        cfg = K3Config.from_dict(man["config"])
+        print(f"family: {cfg.family} (pre-sharded, {man['format']}, for recipe "
+              f"{(man['recipe'] or {}).get('spec', 'one device')}, dtype {man['dtype']}, experts {man['experts']})")
+        print(f"layers: {cfg.num_hidden_layers} (MLA at {list(cfg.mla_layers)}, 0-based)")
+        print(f"arrays: {len(man['leaves'])} from {len(man['source']['tensors'])} source tensors "
+              f"({man['source']['bytes']:,} bytes)")
+        return 0
     with open_checkpoint(_model_dir(args)) as ck:
         cfg = K3Config.from_dict(ck.config)
         n = 0
@@ -380,6 +392,10 @@ BENCH_USAGE = """usage: k3serve bench --server HOST:PORT --trace T.jsonl [--conc
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "preshard":  # SRC DST ... | verify DST ...: its own parser
+        from .cli_preshard import main as preshard_main
+
+        return preshard_main(argv[1:])
     if argv and argv[0] == "bench":
         # the benchmarks parse their own flags (argparse's REMAINDER stops at a leading --flag)
         rest = argv[1:]

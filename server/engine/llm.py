@@ -20,13 +20,12 @@ def recipe_placement(model_path, recipe, devices=None):
         return None
     import jax
 
-    from ...checkpoints.safetensors_io import open_checkpoint
+    from ...checkpoints.config_of import checkpoint_config
     from ...model import K3Config
     from ...sharding.mesh import build_mesh, placement_for
     from ...sharding.recipe import Recipe
 
-    with open_checkpoint(model_path) as ckpt:
-        cfg = K3Config.from_dict(ckpt.config)
+    cfg = K3Config.from_dict(checkpoint_config(model_path))
     devs = list(jax.devices() if devices is None else devices)
     return placement_for(build_mesh(Recipe.parse(recipe).validate(cfg, num_devices=len(devs)), devs))
 

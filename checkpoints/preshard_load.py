@@ -1,0 +1,171 @@
+"""Reading a pre-sharded checkpoint (``preshard_format.py``): restore straight into a
+model's parameter shardings, and verify what is on disk.
+
+A restore asks Orbax for each array with the sharding the serving recipe gives it
+(``placement``), so each device receives only its slice, and a process only reads what its
+devices hold. Under the recipe the checkpoint was written for, the chunks read are the
+saved shards; under another one Orbax reads the chunks that cover each new shard
+(``chunk_mb`` at save time bounds what is read beyond it). Arrays are read a batch at a
+time (``max_memory_gb``), stack rows written into their stack in place, so the host holds the
+model plus one batch.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .preshard_format import PARTS, PreshardError, digest, nest, read_manifest, split_key, unnest
+
+
+def _batches(manifest: dict, keys, budget: int):
+    """``(part, [keys])`` groups of at most ``budget`` bytes (one array at least), by part."""
+    by_part: dict = {}
+    for k in keys:
+        by_part.setdefault(manifest["leaves"][k]["part"], []).append(k)
+    for part in sorted(by_part):
+        cur, size = [], 0
+        for k in by_part[part]:
+            meta = manifest["leaves"][k]
+            n = int(np.prod(meta["shape"], dtype=np.int64)) * np.dtype(meta["dtype"]).itemsize
+            if cur and size + n > budget:
+                yield part, cur
+                cur, size = [], 0
+            cur.append(k)
+            size += n
+        if cur:
+            yield part, cur
+
+
+def _load(path: Path, manifest: dict, part: str, wanted: dict) -> dict:
+    """Load ``wanted`` ({key: ShapeDtypeStruct}) from one part; other leaves are skipped. A
+    read that fails is retried array by array so the error names the array."""
+    import orbax.checkpoint as ocp
+
+    part_keys = [k for k, v in manifest["leaves"].items() if v["part"] == part]
+    where = path / PARTS / part
+
+    def read(keys):
+        tree = nest({k: wanted[k] if k in keys else ocp.v1.PLACEHOLDER for k in part_keys})
+        return unnest(ocp.v1.load_pytree(where, tree), keys)
+
+    try:
+        return read(set(wanted))
+    except Exception as err:  # noqa: BLE001 - find the array, then say what it was
+        first = err
+    for k in sorted(wanted):
+        try:
+            read({k})
+        except Exception as err:  # noqa: BLE001
+            raise PreshardError(f"{path}: array {k!r} (part {part}) cannot be read: "
+                                f"{type(err).__name__}: {str(err)[:300]}") from None
+    raise PreshardError(f"{path}: part {part} cannot be read: {type(first).__name__}: {str(first)[:300]}")
+
+
+def restore_into(module, path, placement=None, *, max_memory_gb: float = 4.0) -> dict:
+    """Fill the (abstract) NNX ``module``'s parameters from the pre-sharded checkpoint at
+    ``path``; ``placement(param_path, shape) -> Sharding`` as for ``load_pretrained`` (None:
+    the default device). Returns load statistics."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    from ..model.weights import _all_params, _row_sharding, _set_row, _zeros
+
+    path = Path(path)
+    t0 = time.perf_counter()
+    man = read_manifest(path)
+    params = _all_params(module)
+    stored: dict = {}
+    for k in man["leaves"]:
+        p, row = split_key(k)
+        stored.setdefault(p, set()).add(row)
+    tied = "lm_head.weight" in params and "lm_head.weight" not in stored
+    want = set(params) - ({"lm_head.weight"} if tied else set())
+    missing, extra = sorted(want - set(stored)), sorted(set(stored) - want)
+    if missing or extra:
+        raise PreshardError(f"{path}: arrays do not match the model: missing {missing[:8]}, unexpected {extra[:8]}")
+    default = SingleDeviceSharding(jax.devices()[0])
+    shardings, abstract = {}, {}
+    for p, rows in stored.items():
+        var = params[p]
+        shape, dtype = tuple(var.get_value().shape), var.get_value().dtype
+        sharding = (placement(p, shape) if placement is not None else None) or default
+        shardings[p] = sharding
+        stacked = rows != {None}
+        if stacked and rows != set(range(shape[0])):
+            raise PreshardError(f"{path}: {p} has rows {sorted(rows)[:8]}..., the model stacks {shape[0]}")
+        for row in rows:
+            k = p if row is None else f"{p}/row_{row:03d}"
+            meta = man["leaves"][k]
+            want_shape = shape if row is None else shape[1:]
+            if tuple(meta["shape"]) != tuple(want_shape):
+                raise PreshardError(f"{path}: array {k!r} has shape {meta['shape']}, the model expects "
+                                    f"{list(want_shape)}")
+            abstract[k] = jax.ShapeDtypeStruct(want_shape, dtype,
+                                               sharding=sharding if row is None else _row_sharding(sharding))
+        if stacked:
+            var.set_value(_zeros(shape, dtype, sharding))
+    nbytes = 0
+    for part, keys in _batches(man, sorted(abstract), int(max_memory_gb * 2**30)):
+        got = _load(path, man, part, {k: abstract[k] for k in keys})
+        for k in keys:
+            p, row = split_key(k)
+            arr = got[k]
+            nbytes += sum(s.data.nbytes for s in arr.addressable_shards if s.replica_id == 0)
+            var = params[p]
+            var.set_value(arr if row is None else _set_row(var.get_value(), arr, np.int32(row)))
+        del got
+    if tied:
+        emb = params["embed_tokens"].get_value()
+        sharding = (placement("lm_head.weight", tuple(emb.shape)) if placement is not None else None) or default
+        params["lm_head.weight"].set_value(emb if emb.sharding == sharding else jax.device_put(emb, sharding))
+    total = sum(int(np.prod(m["shape"], dtype=np.int64)) * np.dtype(m["dtype"]).itemsize for m in man["leaves"].values())
+    return {"bytes_read": nbytes, "checkpoint_bytes": total, "seconds": time.perf_counter() - t0, "manifest": man}
+
+
+def verify(path, source=None, *, max_memory_gb: float = 2.0, logits_prompt=(1, 2, 3, 4, 5, 6, 7, 8)) -> dict:
+    """Check a pre-sharded checkpoint: every array's shape, dtype and sha256 against the
+    manifest (read onto one device, a batch at a time). With ``source`` (the safetensors
+    directory it came from): the source's tensor hashes too, and the logits of a short
+    prompt from both (they must be equal). Raises :class:`PreshardError` naming the first
+    array that differs; returns a summary."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    path = Path(path)
+    man = read_manifest(path)
+    dev = SingleDeviceSharding(jax.devices()[0])
+    t0 = time.perf_counter()
+    checked = nbytes = 0
+    for part, keys in _batches(man, sorted(man["leaves"]), int(max_memory_gb * 2**30)):
+        want = {k: jax.ShapeDtypeStruct(tuple(man["leaves"][k]["shape"]), np.dtype(man["leaves"][k]["dtype"]),
+                                        sharding=dev) for k in keys}
+        got = _load(path, man, part, want)
+        for k in keys:
+            a = np.asarray(got[k])
+            if digest(a) != man["leaves"][k]["sha256"]:
+                raise PreshardError(f"{path}: array {k!r} (part {part}) does not match its recorded hash: the "
+                                    "checkpoint is corrupted")
+            checked += 1
+            nbytes += a.nbytes
+        del got
+    out = {"arrays": checked, "bytes": nbytes, "seconds": round(time.perf_counter() - t0, 3)}
+    if source is not None:
+        from ..model import load_pretrained
+        from .safetensors_io import open_checkpoint
+
+        with open_checkpoint(source) as ckpt:
+            for name in ckpt.keys():
+                rec = man["source"]["tensors"].get(name)
+                if rec is None:
+                    raise PreshardError(f"{source}: tensor {name!r} is not in the pre-shard's source record")
+                if digest(np.asarray(ckpt.lazy(name))) != rec:
+                    raise PreshardError(f"{source}: tensor {name!r} differs from the one pre-sharded")
+        a = load_pretrained(path, dtype=man["dtype"]).logits(list(logits_prompt))
+        b = load_pretrained(source, dtype=man["dtype"]).logits(list(logits_prompt))
+        gap = float(np.max(np.abs(a - b)))
+        if gap != 0.0:
+            raise PreshardError(f"{path}: logits differ from the source's by up to {gap:.3g}")
+        out.update(source_tensors=len(man["source"]["tensors"]), logits_gap=gap)
+    return out

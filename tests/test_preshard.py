@@ -1,0 +1,223 @@
+"""``k3serve preshard`` (issue #17): safetensors -> an Orbax checkpoint laid out for a recipe,
+restored straight into the shardings of the same or another recipe.
+
+The round trips run in 8-virtual-device children (``_preshard_check.py``): pre-shard for
+``ep=8,tp=1`` and restore under it, under ``ep=4,tp=2,dp=2,dcp=4`` and on one device, and the
+other way round. Every parameter must be bit-identical to a safetensors load placed for the
+same recipe, with the same sharding, and greedy tokens must be equal. The rest runs here on
+one device: resume after an interruption, refusing a complete destination, a corrupted or
+truncated part named by its array, a format from another version, a recipe that does not
+fit, the CLI, ``LLM`` on a pre-sharded checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from _util import run_children
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+A, B = "ep=8,tp=1", "ep=4,tp=2,dp=2,dcp=4"
+
+
+def small_config():
+    from k3serve.checkpoints.synthetic import k3_config
+
+    # 5 layers (MLA at 4), 8 MXFP4 experts and 8 heads: every axis of both recipes divides
+    return k3_config(vocab_size=256, hidden_size=96, num_hidden_layers=5, full_attn_layers=[4], kda_num_heads=8,
+                     kda_head_dim=16, mla_heads=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                     qk_rope_head_dim=8, v_head_dim=8, num_experts=8, num_experts_per_token=2,
+                     num_shared_experts=1, moe_intermediate_size=32, routed_expert_hidden_size=32,
+                     intermediate_size=64, attn_res_block_size=2)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    from k3serve.checkpoints.synthetic import generate_checkpoint
+
+    return str(generate_checkpoint(tmp_path_factory.mktemp("pre") / "src", small_config(), seed=7))
+
+
+# ----------------------------------------------------------------------------- round trips
+@pytest.fixture(scope="module")
+def trips(src, tmp_path_factory):
+    specs = [{"save": A, "restore": [A, B, "one"], "max_memory_gb": 0.0005},  # many small parts
+             {"save": B, "restore": [A]}]
+    return run_children(os.path.join(HERE, "_preshard_check.py"), [src, tmp_path_factory.mktemp("trips")],
+                        specs, 8, timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("restore", [A, B, "one"])
+def test_restore_is_bit_identical_to_a_safetensors_load(trips, restore):
+    r = trips[restore]
+    assert r["params"] > 50 and r["differ"] == [] and r["sharding_differs"] == [], r
+    assert r["tokens"] == r["tokens_src"] and len(r["tokens"]) == 6, r
+
+
+# ----------------------------------------------------------------------------- one device
+def params(model) -> dict:
+    from flax import nnx
+
+    return {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(model.params)}
+
+
+def same_params(a, b) -> bool:
+    pa, pb = params(a), params(b)
+    return set(pa) == set(pb) and all(pa[k].dtype == pb[k].dtype and np.array_equal(pa[k], pb[k]) for k in pa)
+
+
+def test_resume_after_an_interruption_writes_only_the_rest(src, tmp_path):
+    from k3serve.checkpoints.preshard import preshard
+    from k3serve.checkpoints.preshard_format import MANIFEST, PARTS, PreshardError, read_manifest
+    from k3serve.model import load_pretrained
+
+    dst = tmp_path / "dst"
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_two(name):
+        if name == "00001":
+            raise Stop
+
+    with pytest.raises(Stop):
+        preshard(src, dst, max_memory_gb=0.0005, on_part=stop_after_two)
+    assert not (dst / MANIFEST).exists() and sorted(os.listdir(dst / PARTS)) == ["00000", "00001"]
+    with pytest.raises(PreshardError, match="unfinished"):  # not loadable until complete
+        read_manifest(dst)
+    (dst / PARTS / "00002.orbax-checkpoint-tmp-1").mkdir()  # a part the interruption left half-written
+    man = preshard(src, dst, max_memory_gb=0.0005)
+    assert 0 < man["resumed_leaves"] < len(man["leaves"])
+    assert not (dst / PARTS / "00002.orbax-checkpoint-tmp-1").exists()
+    fresh = preshard(src, tmp_path / "fresh", max_memory_gb=0.0005)
+    assert {k: v["sha256"] for k, v in man["leaves"].items()} == {k: v["sha256"] for k, v in fresh["leaves"].items()}
+    assert same_params(load_pretrained(dst), load_pretrained(src))
+
+
+def test_a_complete_destination_is_refused_unless_overwrite(src, tmp_path):
+    from k3serve.checkpoints.preshard import preshard
+    from k3serve.checkpoints.preshard_format import PreshardError
+
+    dst = tmp_path / "dst"
+    preshard(src, dst)
+    with pytest.raises(PreshardError, match="already there.*--overwrite"):
+        preshard(src, dst)
+    man = preshard(src, dst, overwrite=True)
+    assert man["resumed_leaves"] == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(PreshardError, match="not a pre-sharded checkpoint"):
+        preshard(src, other)
+    assert (other / "notes.txt").read_text() == "mine"
+
+
+@pytest.fixture(scope="module")
+def one(src, tmp_path_factory):
+    from k3serve.checkpoints.preshard import preshard
+
+    dst = tmp_path_factory.mktemp("one") / "dst"
+    preshard(src, dst, max_memory_gb=0.002)
+    return dst
+
+
+def copy_of(path, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(path, out)
+    return out
+
+
+def largest_data_file(path):
+    """The largest OCDBT data file of the checkpoint: array bytes (compression is off)."""
+    return max((p for p in path.rglob("*") if p.is_file() and p.parent.name == "d"), key=lambda p: p.stat().st_size)
+
+
+def test_verify_passes_and_matches_the_source(one, src):
+    from k3serve.checkpoints.preshard_load import verify
+
+    out = verify(one, src)
+    assert out["arrays"] > 50 and out["logits_gap"] == 0.0 and out["source_tensors"] > 100
+
+
+def test_a_corrupted_part_is_named_by_its_array(one, tmp_path):
+    from k3serve.checkpoints.preshard_format import PreshardError
+    from k3serve.checkpoints.preshard_load import verify
+
+    bad = copy_of(one, tmp_path)
+    f = largest_data_file(bad)
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 0xFF  # one flipped byte inside stored data
+    f.write_bytes(bytes(b))
+    with pytest.raises(PreshardError, match=r"array '[^']+' \(part \d+\)"):
+        verify(bad)
+
+
+def test_a_truncated_part_is_named_by_its_array(one, tmp_path):
+    from k3serve.checkpoints.preshard_format import PreshardError
+    from k3serve.model import load_pretrained
+
+    bad = copy_of(one, tmp_path)
+    f = largest_data_file(bad)
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+    with pytest.raises(PreshardError, match=r"array '[^']+' \(part \d+\)"):
+        load_pretrained(bad)
+
+
+def test_another_format_version_is_refused(one, tmp_path):
+    from k3serve.checkpoints.preshard_format import MANIFEST, PreshardError
+    from k3serve.model import load_pretrained
+
+    bad = copy_of(one, tmp_path)
+    man = json.loads((bad / MANIFEST).read_text())
+    man["format"] = "k3serve-preshard/0"
+    (bad / MANIFEST).write_text(json.dumps(man))
+    with pytest.raises(PreshardError, match="format 'k3serve-preshard/0'.*pre-shard the checkpoint again"):
+        load_pretrained(bad)
+
+
+def test_a_recipe_that_does_not_fit_gets_the_validate_message(src, tmp_path):
+    from k3serve.checkpoints.preshard import preshard
+    from k3serve.sharding.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match=r"routed experts \(8\) are not divisible by ep = 3"):
+        preshard(src, tmp_path / "dst", recipe="ep=3,tp=1")
+    assert not (tmp_path / "dst").exists() or not os.listdir(tmp_path / "dst")
+
+
+def test_bfloat16_preshard_equals_a_bfloat16_load(src, tmp_path):
+    from k3serve.checkpoints.preshard import preshard
+    from k3serve.model import load_pretrained
+
+    preshard(src, tmp_path / "bf", dtype="bfloat16")
+    assert same_params(load_pretrained(tmp_path / "bf", dtype="bfloat16"), load_pretrained(src, dtype="bfloat16"))
+
+
+def test_llm_generates_the_same_tokens_from_a_preshard(one, src):
+    from k3serve import LLM, SamplingParams
+
+    kw = dict(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, num_pages=16, page_size=4, warmup=False)
+    sp = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
+    a = LLM(one, **kw).generate([[3, 1, 4, 1, 5]], sp)[0].token_ids
+    b = LLM(src, **kw).generate([[3, 1, 4, 1, 5]], sp)[0].token_ids
+    assert list(a) == list(b) and len(a) == 5
+
+
+def test_cli_preshard_verify_and_refusal(src, tmp_path):
+    dst = tmp_path / "cli"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "k3serve.server.cli", *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=300)
+    r = run("preshard", src, str(dst), "--recipe", "ep=2,tp=1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["recipe"] == "ep=2,tp=1" and out["arrays"] > 50
+    assert (dst / "config.json").is_file()  # side files travel with the weights (tokenizer, config)
+    r = run("preshard", src, str(dst))
+    assert r.returncode == 1 and "--overwrite" in r.stderr
+    r = run("preshard", "verify", str(dst), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout.strip().splitlines()[-1])["arrays"] == out["arrays"], r.stderr
