@@ -23,6 +23,7 @@ from typing import Callable
 
 import numpy as np
 
+from .preshard_load import release_freed_memory
 from .preshard_format import (FORMAT, MANIFEST, PARTS, TRANSFORMS_VERSION, PreshardError, digest, is_preshard,
                               leaf_key, nest, write_json_atomic)
 
@@ -180,6 +181,7 @@ def preshard(src, dst, *, recipe=None, dtype: str = "float32", max_memory_gb: fl
             sources.update(batch_sources)
             bar.part(name, len(batch), held[0])
             batch.clear(), batch_meta.clear(), batch_sources.clear()
+            release_freed_memory()
             held[0] = 0
             number += 1
             if on_part is not None:

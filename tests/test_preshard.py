@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 
-from _util import run_children
+from _util import free_port, run_children
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 A, B = "ep=8,tp=1", "ep=4,tp=2,dp=2,dcp=4"
@@ -58,6 +58,38 @@ def test_restore_is_bit_identical_to_a_safetensors_load(trips, restore):
     r = trips[restore]
     assert r["params"] > 50 and r["differ"] == [] and r["sharding_differs"] == [], r
     assert r["tokens"] == r["tokens_src"] and len(r["tokens"]) == 6, r
+
+
+@pytest.mark.slow
+def test_two_processes_restore_and_each_reads_about_its_share(src, tmp_path):
+    """Pre-shard for ``ep=8,tp=1`` (the CLI, 8 virtual devices), then restore it under the same
+    recipe in two processes of four devices each: every shard equals a safetensors load's,
+    and each process's read syscalls return well under the checkpoint (its half, plus
+    metadata and the arrays both halves hold)."""
+    dst = tmp_path / "a"
+    r = subprocess.run([sys.executable, "-m", "k3serve.server.cli", "preshard", src, str(dst), "--recipe", A,
+                        "--quiet"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_preshard_multiprocess.py"), src, str(dst), A,
+                               str(port), str(i), "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    res = []
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        res.append(json.loads(out.strip().splitlines()[-1]))
+    print(json.dumps(res))
+    for x in res:
+        assert x["differ"] == 0 and x["arrays"] > 50, x
+        assert x["held_bytes"] < 0.6 * x["global_bytes"], x  # ep=8 over two processes: about half each
+        assert x["read_bytes"] < 0.85 * x["global_bytes"], x  # measured 0.74 (metadata included)
 
 
 # ----------------------------------------------------------------------------- one device

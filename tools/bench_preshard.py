@@ -13,8 +13,9 @@ peak RSS (``ru_maxrss`` of the child) and wall time:
 * ``restore``: ``load_pretrained(DST)`` into the recipe's shardings, and into ``--other``'s;
 * ``safetensors``: ``load_pretrained(SRC)`` into the recipe's shardings (the plain load).
 
-A loaded model lives in host memory on CPU, so a load's peak RSS includes the model; the
-pre-shard's must not grow with the checkpoint.
+A loaded model lives in host memory on CPU, so a load's peak RSS includes the model (every
+device's shards, replicas included: ``model_mib``); the pre-shard's must not grow with the
+checkpoint, nor a load's peak beyond the model.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ path, recipe = sys.argv[1], sys.argv[2]
 t = time.perf_counter()
 m = load_pretrained(path, placement=recipe_placement(path, recipe))
 print("SECONDS", time.perf_counter() - t)
+import jax
+print("HELD", sum(s.data.nbytes for a in jax.tree.leaves(m.params) for s in a.addressable_shards))
 """
 
 
@@ -101,9 +104,10 @@ def main() -> int:
         for name, path, recipe in (("restore", dst, args.recipe), ("restore_other", dst, args.other),
                                    ("safetensors", src, args.recipe)):
             r = run([sys.executable, "-c", LOAD, str(path), recipe], env)
-            load_s = float(r["stdout"].split("SECONDS")[-1])
+            load_s = float(r["stdout"].split("SECONDS")[-1].split()[0])
+            held = int(r["stdout"].split("HELD")[-1].split()[0]) / 2**20
             row[name] = {"seconds": r["seconds"], "load_seconds": round(load_s, 2), "peak_rss_mib": r["peak_rss_mib"],
-                         "s_per_gb": round(load_s / gb, 2)}
+                         "model_mib": round(held, 1), "s_per_gb": round(load_s / gb, 2)}
         row["preshard"]["s_per_gb"] = round(row["preshard"]["seconds"] / gb, 2)
         results.append(row)
         print(json.dumps(row), flush=True)
