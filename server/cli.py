@@ -206,6 +206,8 @@ def cmd_plan(args) -> int:
     else:
         cfg, label = k3_full(), "Kimi K3 (full release config)"
     inv = param_inventory(cfg)
+    if args.concurrency or args.recommend:
+        return _plan_roofline(args, cfg, inv)
     plans = []
     for text in args.recipe:
         try:
@@ -228,6 +230,33 @@ def cmd_plan(args) -> int:
     width = max(len(k) for k, _ in rows[0])
     for i in range(len(rows[0])):
         print(rows[0][i][0].ljust(width), *(r[i][1].rjust(22) for r in rows))
+    return 0
+
+
+def _plan_roofline(args, cfg, inv) -> int:
+    import dataclasses
+
+    from ..sharding.recipe import Recipe, RecipeError
+    from ..sharding.roofline import TPU_V7, candidate_recipes, recommend
+    from .plan_report import print_recommendation, print_roofline, roofline_rows
+
+    chip = dataclasses.replace(TPU_V7, collective_latency_s=args.collective_us * 1e-6)
+    concurrency = [int(x) for x in (args.concurrency or "1").split(",")]
+    if args.recommend:
+        recipes = candidate_recipes(cfg, args.recommend)
+        if not recipes:
+            print(f"error: no recipe over {args.recommend} devices fits this config", file=sys.stderr)
+            return 2
+        ranked = recommend(cfg, recipes, inv, context_len=args.context_len, concurrency=concurrency[0], chip=chip,
+                           usable_fraction=args.usable_fraction, snapshots_per_request=args.snapshots_per_request)
+        print_recommendation(ranked[: args.top], args.recommend, args.context_len, concurrency[0], args.json)
+        return 0
+    try:
+        recipes = [Recipe.parse(t).validate(cfg) for t in args.recipe]
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_roofline(roofline_rows(cfg, recipes, inv, [args.context_len], concurrency, chip), chip, args.json)
     return 0
 
 
@@ -367,6 +396,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--snapshots-per-request", type=float, default=2.0,
                     help="prefix-cache KDA snapshot slots per request (serve's default 2 x max-num-seqs "
                          "slots: 2; 0 with --no-prefix-caching)")
+    pl.add_argument("--concurrency", default=None,
+                    help="decode roofline at these concurrencies (e.g. 1,8,72) instead of the memory plan")
+    pl.add_argument("--recommend", type=int, default=None, metavar="DEVICES",
+                    help="rank every recipe over DEVICES chips for --context-len and --concurrency")
+    pl.add_argument("--top", type=int, default=10, help="with --recommend: how many to print")
+    pl.add_argument("--collective-us", type=float, default=5.0, help="latency of one collective (roofline)")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 

@@ -2,13 +2,15 @@
 
 Inputs are plain data — the config, a :class:`Recipe`, and an inventory of parameters as
 ``(path, shape, itemsize)`` (the caller builds it from the abstract model, so ``sharding/``
-stays below ``model/``). How each parameter is split (the placement this plan assumes;
-the sharding rules of #5 follow it):
+stays below ``model/``). Each parameter is split as the load places it
+(``sharding.mesh.param_spec``; a dimension that does not divide by its axes stays whole):
 
 * routed experts (``...experts...``, MXFP4 packed bytes and scales): over all devices
   (``ep`` groups × ``tp`` slices);
-* attention weights (``self_attn``): over the attention group (``devices / dp`` ranks: KDA
-  heads and MLA query heads), one copy per attention DP group;
+* attention weights (``self_attn``): the head-indexed projections (and ``o_proj``'s input
+  side) over the attention group (``devices / dp`` ranks: KDA heads and MLA query heads), one
+  copy per attention DP group; the low-rank down-projections, conv weights and per-head
+  vectors are replicated;
 * shared experts, the latent down/up projections around the routed experts and the dense
   MLP: over the attention group (tensor-parallel like attention);
 * embedding and LM head: vocab-parallel over all devices;
@@ -66,20 +68,22 @@ class MemoryPlan:
         ]
 
 
-def _split(path: str, recipe: Recipe) -> int:
-    p = path.lower()
-    if ".experts." in p or p.endswith(".experts") or "experts.w" in p:
-        if "shared" not in p:
-            return recipe.devices
-    if "self_attn" in p or "shared_expert" in p or ".mlp." in p or "routed_expert_" in p:
-        return recipe.attn_group
-    if "embed_tokens" in p or "lm_head" in p:
-        return recipe.devices
-    return 1
+def shards(path: str, shape: tuple, recipe: Recipe) -> int:
+    """Into how many parts the parameter is split across the mesh, by the placement rule the
+    load uses (``sharding.mesh.param_spec``; a dimension that does not divide stays whole)."""
+    from .mesh import param_spec
+
+    mshape = {"dp": recipe.dp, "ep": recipe.ep // recipe.dp, "tp": recipe.tp}
+    n = 1
+    for axes in param_spec(path, tuple(shape), mshape):
+        for a in () if axes is None else ((axes,) if isinstance(axes, str) else axes):
+            n *= mshape[a]
+    return n
 
 
 def weights_per_device(inventory, recipe: Recipe) -> float:
-    return float(sum(math.prod(shape) * itemsize / _split(path, recipe) for path, shape, itemsize in inventory))
+    """Parameter bytes each device holds (every device holds the same under these rules)."""
+    return float(sum(math.prod(shape) * itemsize / shards(path, shape, recipe) for path, shape, itemsize in inventory))
 
 
 def plan_memory(cfg, recipe: Recipe, inventory, *, context_len: int = 131072, hbm_gb: float = 192.0,

@@ -1,0 +1,201 @@
+"""A decode-step roofline: what one step of a recipe costs each chip, and the throughput
+that follows (``k3serve plan --concurrency``; docs/choosing-a-recipe.md).
+
+For a config, a recipe, a context length and a concurrency ``B`` (requests decoding at once
+over the whole mesh, ``B / dp`` per attention DP group), per chip and per step:
+
+* **HBM bytes read**: the chip's shard of every non-routed weight (attention, shared experts,
+  dense MLP, latent projections, norms, router; the LM head's vocab shard; the embedding only
+  for the step's rows); the routed experts the step's tokens touch — with uniform routing a
+  layer's expert is touched with probability ``1 − (1 − k/E)^T`` for ``T`` tokens, and the
+  chip reads its share (experts span all chips); the MLA latent cache of its group's requests
+  over the context, divided by ``dcp``; the KDA state of its heads, read and written.
+* **ICI bytes sent**: EP dispatch and combine (each token's routed input to ``k`` experts,
+  ``tp`` slices each, and the outputs back; the share leaving the chip); the two
+  tensor-parallel all-reduces per layer (attention output, FFN output) of the group's tokens,
+  as a ring (``2 (G − 1) / G`` of the bytes); the DCP merge of partial attention outputs
+  (fp32 outputs and log-sum-exp, ``dcp − 1`` of ``dcp`` parts).
+* **FLOPs**: 2 per weight and token for the shard of the matmuls the chip runs, the
+  ``k`` routed experts per token (dequantized MXFP4 counted as dense), the MLA attention over
+  the context (absorbed: scores and values in the latent space), the KDA state update.
+
+The roofline is ``max(bytes / HBM bandwidth, ICI bytes / ICI bandwidth, FLOPs / peak)``: each
+resource fully overlapped, perfect load balance. A decode step also waits on a chain of
+small collectives, layer after layer, whose cost is latency, not bandwidth; the step adds
+``collectives × collective_latency_s`` (5 µs by default: an assumption, no published figure)
+to the roofline. No host or launch overhead is counted. With
+speculative decoding (``tokens_per_step`` computed per request, ``accepted`` emitted on
+average) a request advances ``accepted`` tokens per step. Assumptions are the point of a
+roofline; what it is for is ranking recipes, not promising a figure.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .memory import shards
+from .recipe import Recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str
+    hbm_bytes_per_s: float
+    ici_bytes_per_s: float  # what one chip can send per second over its ICI links
+    flops_per_s: float  # dense bf16 matmul peak
+    hbm_gb: float
+    collective_latency_s: float = 5e-6  # fixed cost of one collective (an assumption, not published)
+
+
+# TPU7x (Ironwood), per chip: 2,307 TFLOPs bf16 (4,614 fp8) and 192 GiB of HBM
+# (docs.cloud.google.com/tpu/docs/tpu7x, "System architecture" table); 7.37 TB/s of HBM
+# bandwidth and 1.2 TB/s of bidirectional ICI bandwidth (Google's Ironwood announcement,
+# April 2025; the same ICI figure as v5p's table). One direction: half of the ICI figure.
+TPU_V7 = Chip("TPU v7 (Ironwood)", hbm_bytes_per_s=7.37e12, ici_bytes_per_s=0.6e12, flops_per_s=2307e12,
+              hbm_gb=192 * 2**30 / 1e9)
+
+
+@dataclasses.dataclass
+class StepCost:
+    recipe: str
+    devices: int
+    concurrency: int
+    context_len: int
+    hbm_bytes: dict  # per chip, by part
+    ici_bytes: dict
+    flops: dict
+    hbm_s: float
+    ici_s: float
+    flops_s: float
+    collectives: int  # per step, each paying the chip's collective latency
+    latency_s: float
+    step_s: float
+    bound: str  # "HBM", "ICI" or "FLOPs"
+    tok_s_per_user: float
+    tok_s_total: float
+
+
+def _is_routed(path: str) -> bool:
+    p = path.lower()
+    return ("experts.w" in p or ".experts." in p) and "shared" not in p
+
+
+def _dense_params(path: str, shape: tuple) -> int:
+    """Weights a matmul multiplies by (an MXFP4 packed byte holds two; scales none)."""
+    n = math.prod(shape)
+    if path.endswith("_scale"):
+        return 0
+    return 2 * n if path.endswith("_packed") else n
+
+
+def step_cost(cfg, recipe: Recipe, inventory, *, context_len: int, concurrency: int, chip: Chip = TPU_V7,
+              kv_itemsize: int = 2, state_itemsize: int = 4, act_itemsize: int = 2, tokens_per_step: int = 1,
+              accepted: float | None = None) -> StepCost:
+    """The roofline of one decode step (module doc). ``inventory``: ``memory.param_inventory``."""
+    n, G, dp = recipe.devices, recipe.attn_group, recipe.dp
+    B = concurrency
+    T = B * tokens_per_step  # tokens computed per step, whole mesh
+    Tg = T / dp  # per attention DP group
+    D, V = cfg.hidden_size, cfg.vocab_size
+    E, k = cfg.num_experts, cfg.num_experts_per_token
+    n_mla, n_kda = len(cfg.mla_layers), len(cfg.kda_layers)
+    n_layers = cfg.num_hidden_layers
+    n_moe = sum(1 for i in range(n_layers) if cfg.is_moe_layer(i))
+
+    hbm, ici, fl = {}, {}, {}
+    routed_bytes = routed_params = dense_bytes = dense_params = 0.0
+    for path, shape, itemsize in inventory:
+        nbytes = math.prod(shape) * itemsize
+        if _is_routed(path):
+            routed_bytes += nbytes
+            routed_params += _dense_params(path, shape)
+        elif path.startswith("embed_tokens"):
+            hbm["embedding rows"] = T * D * itemsize / n  # only the step's rows
+        elif path.startswith("lm_head"):
+            hbm["LM head"] = nbytes / n
+            fl["LM head"] = 2 * D * V * T / n
+        else:
+            dense_bytes += nbytes / shards(path, shape, recipe)
+            dense_params += _dense_params(path, shape) / shards(path, shape, recipe)
+    hbm["non-routed weights"] = dense_bytes
+    touched = 1.0 - (1.0 - k / E) ** T if E else 0.0
+    hbm["routed experts"] = touched * routed_bytes / n
+    kv_token = n_mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * kv_itemsize
+    hbm["MLA KV"] = (B / dp) * context_len * kv_token / recipe.dcp
+    H, d = cfg.kda_num_heads, cfg.kda_head_dim
+    kda_req = n_kda * (H * d * d + (cfg.conv_kernel_size - 1) * 3 * H * d) * state_itemsize
+    hbm["KDA state"] = 2 * (B / dp) * kda_req / G  # read and written
+
+    fl["non-routed matmuls"] = 2 * dense_params * Tg
+    fl["routed experts"] = 2 * routed_params * (k / E) * T / n if E else 0.0
+    Hm = cfg.mla_num_heads
+    fl["MLA attention"] = Tg * n_mla * 2 * Hm * context_len * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) / G
+    fl["KDA"] = Tg * n_kda * 6 * H * d * d / G
+
+    d_routed = getattr(cfg, "routed_expert_hidden_size", None) or D
+    remote = 1.0 - 1.0 / recipe.ep
+    ici["EP dispatch + combine"] = 2 * (T / n) * k * recipe.tp * d_routed * act_itemsize * remote * n_moe
+    ring = 2 * (G - 1) / G
+    # attention output and FFN output per layer; with SP a reduce-scatter + all-gather pair,
+    # the same bytes
+    ici["TP all-reduces"] = 2 * n_layers * ring * Tg * D * act_itemsize
+    if recipe.dcp > 1:
+        ici["DCP merge"] = n_mla * (recipe.dcp - 1) / recipe.dcp * Tg * (Hm * recipe.dcp / G) * \
+            (cfg.kv_lora_rank + 1) * 4
+    hbm_s = sum(hbm.values()) / chip.hbm_bytes_per_s
+    ici_s = sum(ici.values()) / chip.ici_bytes_per_s
+    flops_s = sum(fl.values()) / chip.flops_per_s
+    # collectives a step waits on, layer after layer: two TP reductions per layer (when the
+    # group has more than one rank), dispatch and combine per MoE layer (ep > 1), a DCP merge
+    # per MLA layer; plus the LM head's vocab-parallel gather
+    collectives = (2 * n_layers if G > 1 else 0) + (2 * n_moe if recipe.ep > 1 else 0) + \
+        (n_mla if recipe.dcp > 1 else 0) + (1 if n > 1 else 0)
+    latency = collectives * chip.collective_latency_s
+    roof = max(hbm_s, ici_s, flops_s)
+    bound = {hbm_s: "HBM", ici_s: "ICI", flops_s: "FLOPs"}[roof]
+    if latency > roof:
+        bound = "latency"
+    step = roof + latency
+    per_user = (accepted if accepted is not None else tokens_per_step) / step if step > 0 else float("inf")
+    return StepCost(recipe=recipe.name or str(recipe), devices=n, concurrency=B, context_len=context_len,
+                    hbm_bytes=hbm, ici_bytes=ici, flops=fl, hbm_s=hbm_s, ici_s=ici_s, flops_s=flops_s,
+                    collectives=collectives, latency_s=latency, step_s=step,
+                    bound=bound, tok_s_per_user=per_user, tok_s_total=per_user * B)
+
+
+def recommend(cfg, recipes, inventory, *, context_len: int, concurrency: int, chip: Chip = TPU_V7,
+              usable_fraction: float = 0.9, snapshots_per_request: float = 2.0) -> list[dict]:
+    """The recipes that hold ``concurrency`` requests of ``context_len`` tokens in HBM, ranked
+    by total tok/s (then per-user tok/s); the ones that do not fit follow, marked."""
+    from .memory import plan_memory
+
+    rows = []
+    for r in recipes:
+        mem = plan_memory(cfg, r, inventory, context_len=context_len, hbm_gb=chip.hbm_gb,
+                          usable_fraction=usable_fraction, snapshots_per_request=snapshots_per_request)
+        cost = step_cost(cfg, r, inventory, context_len=context_len, concurrency=concurrency, chip=chip)
+        rows.append({"recipe": cost.recipe, "devices": r.devices, "fits": mem.max_concurrent_requests >= concurrency,
+                     "max_concurrent": mem.max_concurrent_requests, "step_ms": cost.step_s * 1e3,
+                     "bound": cost.bound, "tok_s_per_user": cost.tok_s_per_user, "tok_s_total": cost.tok_s_total})
+    return sorted(rows, key=lambda x: (not x["fits"], -x["tok_s_total"], -x["tok_s_per_user"]))
+
+
+def candidate_recipes(cfg, devices: int) -> list[Recipe]:
+    """Every recipe over ``devices`` chips that ``cfg`` admits (sp = 1: sequence parallelism
+    does not change a decode step's bytes here), with the presets of that size named."""
+    from .recipe import PRESETS, RecipeError
+
+    named = {str(p): p for p in PRESETS.values() if p.devices == devices and p.sp == 1}
+    out = []
+    for ep in range(1, devices + 1):
+        if devices % ep:
+            continue
+        tp = devices // ep
+        for dp in range(1, ep + 1):
+            for dcp in range(1, devices // dp + 1):
+                try:
+                    r = Recipe(ep=ep, tp=tp, dp=dp, dcp=dcp).validate(cfg, num_devices=devices)
+                except RecipeError:
+                    continue
+                out.append(named.get(str(r), r))
+    return out
