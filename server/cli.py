@@ -405,6 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 
+    ps = sub.add_parser("preshard", help="safetensors -> Orbax laid out for a recipe; 'preshard verify DST'",
+                        add_help=False)  # main() hands its arguments to server/cli_preshard.py
+    ps.add_argument("rest", nargs=argparse.REMAINDER)
+
     b = sub.add_parser("bench", help="benchmarks: trace replay over gRPC, or 'offline' engine throughput",
                        description="k3serve bench --server HOST:PORT --trace trace.jsonl [--concurrency N] ... | "
                                    "k3serve bench offline [--model DIR|demo] [--concurrency 1,8,32] "
