@@ -72,7 +72,7 @@ def run(cmd: list[str], env: dict) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="0.5,2", help="checkpoint sizes in GB (approximate)")
-    ap.add_argument("--out", default="/tmp/k3serve-bench-preshard")
+    ap.add_argument("--out", default=None, help="work folder (default: a new temporary folder)")
     ap.add_argument("--recipe", default="ep=8,tp=1")
     ap.add_argument("--other", default="ep=4,tp=2,dp=2,dcp=4")
     ap.add_argument("--max-memory-gb", type=float, default=0.5)
@@ -81,7 +81,9 @@ def main() -> int:
 
     from k3serve.checkpoints.synthetic import generate_checkpoint
 
-    out = Path(args.out)
+    import tempfile
+
+    out = Path(args.out or tempfile.mkdtemp(prefix="k3serve-bench-preshard-"))
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     probe = out / "probe"
