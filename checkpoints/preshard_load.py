@@ -34,31 +34,38 @@ def release_freed_memory() -> None:
         pass
 
 
-def _batches(manifest: dict, keys, budget: int):
-    """``(part, [keys])`` groups of at most ``budget`` bytes (one array at least), by part."""
-    by_part: dict = {}
+def _by_part(manifest: dict, keys) -> dict:
+    """``{part: [keys stored in it]}``."""
+    out: dict = {}
     for k in keys:
-        by_part.setdefault(manifest["leaves"][k]["part"], []).append(k)
-    for part in sorted(by_part):
+        out.setdefault(manifest["leaves"][k]["part"], []).append(k)
+    return out
+
+
+def _batches(manifest: dict, keys, budget: int):
+    """``(part, [keys], [every key of the part])`` groups of at most ``budget`` bytes (one
+    array at least), by part."""
+    wanted, stored = _by_part(manifest, keys), _by_part(manifest, manifest["leaves"])
+    for part in sorted(wanted):
         cur, size = [], 0
-        for k in by_part[part]:
+        for k in wanted[part]:
             meta = manifest["leaves"][k]
             n = int(np.prod(meta["shape"], dtype=np.int64)) * np.dtype(meta["dtype"]).itemsize
             if cur and size + n > budget:
-                yield part, cur
+                yield part, cur, stored[part]
                 cur, size = [], 0
             cur.append(k)
             size += n
         if cur:
-            yield part, cur
+            yield part, cur, stored[part]
 
 
-def _load(path: Path, manifest: dict, part: str, wanted: dict) -> dict:
-    """Load ``wanted`` ({key: ShapeDtypeStruct}) from one part; other leaves are skipped. A
-    read that fails is retried array by array so the error names the array."""
+def _load(path: Path, part: str, part_keys: list, wanted: dict) -> dict:
+    """Load ``wanted`` ({key: ShapeDtypeStruct}) from one part, whose arrays are
+    ``part_keys``; the others are skipped. A read that fails is retried array by array so the
+    error names the array."""
     import orbax.checkpoint as ocp
 
-    part_keys = [k for k, v in manifest["leaves"].items() if v["part"] == part]
     where = path / PARTS / part
 
     def read(keys):
@@ -122,8 +129,8 @@ def restore_into(module, path, placement=None, *, max_memory_gb: float = 0.5) ->
         if stacked:
             var.set_value(_zeros(shape, dtype, sharding))
     nbytes = 0
-    for part, keys in _batches(man, sorted(abstract), int(max_memory_gb * 2**30)):
-        got = _load(path, man, part, {k: abstract[k] for k in keys})
+    for part, keys, part_keys in _batches(man, sorted(abstract), int(max_memory_gb * 2**30)):
+        got = _load(path, part, part_keys, {k: abstract[k] for k in keys})
         for k in keys:
             p, row = split_key(k)
             arr = got[k]
@@ -154,10 +161,10 @@ def verify(path, source=None, *, max_memory_gb: float = 2.0, logits_prompt=(1, 2
     dev = SingleDeviceSharding(jax.devices()[0])
     t0 = time.perf_counter()
     checked = nbytes = 0
-    for part, keys in _batches(man, sorted(man["leaves"]), int(max_memory_gb * 2**30)):
+    for part, keys, part_keys in _batches(man, sorted(man["leaves"]), int(max_memory_gb * 2**30)):
         want = {k: jax.ShapeDtypeStruct(tuple(man["leaves"][k]["shape"]), np.dtype(man["leaves"][k]["dtype"]),
                                         sharding=dev) for k in keys}
-        got = _load(path, man, part, want)
+        got = _load(path, part, part_keys, want)
         for k in keys:
             a = np.asarray(got[k])
             if digest(a) != man["leaves"][k]["sha256"]:
