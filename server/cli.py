@@ -206,6 +206,10 @@ def cmd_plan(args) -> int:
     else:
         cfg, label = k3_full(), "Kimi K3 (full release config)"
     inv = param_inventory(cfg)
+    if args.compare_seed:
+        return _plan_compare_seed(args, cfg, inv)
+    if args.context_len is None:
+        args.context_len = 131072
     if args.concurrency or args.recommend:
         return _plan_roofline(args, cfg, inv)
     plans = []
@@ -230,6 +234,26 @@ def cmd_plan(args) -> int:
     width = max(len(k) for k, _ in rows[0])
     for i in range(len(rows[0])):
         print(rows[0][i][0].ljust(width), *(r[i][1].rjust(22) for r in rows))
+    return 0
+
+
+def _plan_compare_seed(args, cfg, inv) -> int:
+    import dataclasses
+
+    from ..sharding.roofline import DSPARK, TPU_V7
+    from .plan_compare import AGENTX_CONTEXT, compare_seed, plot_comparison, print_comparison
+
+    chip = dataclasses.replace(TPU_V7, collective_latency_s=args.collective_us * 1e-6)
+    draft = dataclasses.replace(DSPARK, accepted=args.accept_length) if args.accept_length else DSPARK
+    cmp = compare_seed(cfg, inv, chip, context_len=args.context_len or AGENTX_CONTEXT, draft=draft)
+    print_comparison(cmp, chip)
+    if args.png:
+        try:
+            plot_comparison(cmp, args.png)
+        except ImportError:
+            print("no plot: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+            return 0
+        print(f"plot: {args.png}")
     return 0
 
 
@@ -390,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", help="checkpoint dir (its config.json); default: the full K3 release config")
     pl.add_argument("--recipe", action="append", default=None,
                     help="preset or 'ep=8,tp=4,dcp=32,sp=4' (repeat to compare); default: TP-only, DCP32, DP2xDCP16")
-    pl.add_argument("--context-len", type=int, default=131072)
+    pl.add_argument("--context-len", type=int, default=None,
+                    help="tokens per request (default 131072; 65536 with --compare-seed)")
     pl.add_argument("--hbm-gb", type=float, default=192.0, help="HBM per device (TPU v7: 192)")
     pl.add_argument("--usable-fraction", type=float, default=0.9)
     pl.add_argument("--snapshots-per-request", type=float, default=2.0,
@@ -402,6 +427,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rank every recipe over DEVICES chips for --context-len and --concurrency")
     pl.add_argument("--top", type=int, default=10, help="with --recommend: how many to print")
     pl.add_argument("--collective-us", type=float, default=5.0, help="latency of one collective (roofline)")
+    pl.add_argument("--compare-seed", action="store_true",
+                    help="the seed's decode recipes at concurrency 1-72, with and without DSpark, against the "
+                         "published K3 figures (docs/choosing-a-recipe.md)")
+    pl.add_argument("--accept-length", type=float, default=None,
+                    help="with --compare-seed: tokens DSpark emits per request and step (default 2.68)")
+    pl.add_argument("--png", default="plan-compare-seed.png",
+                    help="with --compare-seed: where to draw the plot ('' for none)")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 

@@ -25,7 +25,8 @@ small collectives, layer after layer, whose cost is latency, not bandwidth; the 
 ``collectives × collective_latency_s`` (5 µs by default: an assumption, no published figure)
 to the roofline. No host or launch overhead is counted. With
 speculative decoding (``tokens_per_step`` computed per request, ``accepted`` emitted on
-average) a request advances ``accepted`` tokens per step. Assumptions are the point of a
+average) a request advances ``accepted`` tokens per step; a :class:`Draft` adds the drafter's
+weights, cache reads and collectives to the step. Assumptions are the point of a
 roofline; what it is for is ranking recipes, not promising a figure.
 """
 from __future__ import annotations
@@ -53,6 +54,29 @@ class Chip:
 # April 2025; the same ICI figure as v5p's table). One direction: half of the ICI figure.
 TPU_V7 = Chip("TPU v7 (Ironwood)", hbm_bytes_per_s=7.37e12, ici_bytes_per_s=0.6e12, flops_per_s=2307e12,
               hbm_gb=192 * 2**30 / 1e9)
+
+
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    """A speculative drafter run once per step: it proposes ``verify_tokens − 1`` tokens per
+    request, the target verifies ``verify_tokens`` per request in the same step, and
+    ``accepted`` tokens are emitted per request and step on average (accepted drafts plus the
+    bonus token). The drafter's own cost is its weights (``params`` at 2 bytes, sharded over
+    every chip), its attention cache (``kv_bytes_per_token`` over the context, divided by
+    ``dcp`` like the target's) and two collectives per layer."""
+    name: str
+    verify_tokens: int
+    accepted: float
+    params: float
+    layers: int
+    kv_bytes_per_token: float
+
+
+# Kimi K3's DSpark draft (`Inferact/Kimi-K3-DSpark`, ../shared/design/pd-preshard-spec.md §3.4):
+# ~3.56B bf16 parameters, 5 dense MLA layers caching 576 latent values per layer and token,
+# a 7-token block (verify width 8). Accept length 2.68 is the published AIME26 figure (4.37 on
+# GSM8K for short outputs, about 1.0 for long ones): an assumption, workload-dependent.
+DSPARK = Draft("DSpark", verify_tokens=8, accepted=2.68, params=3.56e9, layers=5, kv_bytes_per_token=5 * 576 * 2)
 
 
 @dataclasses.dataclass
@@ -90,8 +114,11 @@ def _dense_params(path: str, shape: tuple) -> int:
 
 def step_cost(cfg, recipe: Recipe, inventory, *, context_len: int, concurrency: int, chip: Chip = TPU_V7,
               kv_itemsize: int = 2, state_itemsize: int = 4, act_itemsize: int = 2, tokens_per_step: int = 1,
-              accepted: float | None = None) -> StepCost:
-    """The roofline of one decode step (module doc). ``inventory``: ``memory.param_inventory``."""
+              accepted: float | None = None, draft: Draft | None = None) -> StepCost:
+    """The roofline of one decode step (module doc). ``inventory``: ``memory.param_inventory``.
+    ``draft`` sets ``tokens_per_step`` and ``accepted`` from the drafter and adds its cost."""
+    if draft is not None:
+        tokens_per_step, accepted = draft.verify_tokens, draft.accepted
     n, G, dp = recipe.devices, recipe.attn_group, recipe.dp
     B = concurrency
     T = B * tokens_per_step  # tokens computed per step, whole mesh
@@ -142,6 +169,10 @@ def step_cost(cfg, recipe: Recipe, inventory, *, context_len: int, concurrency: 
     if recipe.dcp > 1:
         ici["DCP merge"] = n_mla * (recipe.dcp - 1) / recipe.dcp * Tg * (Hm * recipe.dcp / G) * \
             (cfg.kv_lora_rank + 1) * 4
+    if draft is not None:
+        hbm["draft weights"] = 2 * draft.params / n
+        hbm["draft KV"] = (B / dp) * context_len * draft.kv_bytes_per_token / recipe.dcp
+        fl["draft"] = 2 * draft.params * T / n
     hbm_s = sum(hbm.values()) / chip.hbm_bytes_per_s
     ici_s = sum(ici.values()) / chip.ici_bytes_per_s
     flops_s = sum(fl.values()) / chip.flops_per_s
@@ -150,6 +181,8 @@ def step_cost(cfg, recipe: Recipe, inventory, *, context_len: int, concurrency: 
     # per MLA layer; plus the LM head's vocab-parallel gather
     collectives = (2 * n_layers if G > 1 else 0) + (2 * n_moe if recipe.ep > 1 else 0) + \
         (n_mla if recipe.dcp > 1 else 0) + (1 if n > 1 else 0)
+    if draft is not None and n > 1:
+        collectives += 2 * draft.layers + 1  # the drafter's layers and its proposals' gather
     latency = collectives * chip.collective_latency_s
     roof = max(hbm_s, ici_s, flops_s)
     bound = {hbm_s: "HBM", ici_s: "ICI", flops_s: "FLOPs"}[roof]

@@ -135,3 +135,40 @@ def test_plan_weight_bytes_equal_a_sharded_load(tmp_path):
                        [{"recipes": ["ep=8,tp=1", "ep=4,tp=2,dp=2,dcp=4", "ep=2,tp=4"]}], 8, timeout=600)
     for name, x in res.items():
         assert x["held"] == [x["plan"]], (name, x)  # every device holds exactly what the plan says
+
+
+def test_draft_adds_its_weights_cache_and_collectives(setup):
+    from k3serve.sharding.roofline import Draft
+
+    d = Draft("d", verify_tokens=4, accepted=2.5, params=1e6, layers=2, kv_bytes_per_token=64)
+    for recipe, n in ((None, 1), ("ep=2,tp=1", 2)):
+        plain = cost(setup, recipe, context_len=128, concurrency=3, latency=1e-6)
+        spec = cost(setup, recipe, context_len=128, concurrency=3, latency=1e-6, draft=d)
+        assert spec.hbm_bytes["draft weights"] == pytest.approx(2e6 / n)
+        assert spec.hbm_bytes["draft KV"] == pytest.approx(3 * 128 * 64)
+        assert spec.flops["draft"] == pytest.approx(2e6 * 3 * 4 / n)
+        assert spec.flops["routed experts"] == pytest.approx(4 * plain.flops["routed experts"])
+        assert spec.collectives - plain.collectives == (0 if n == 1 else 2 * 2 + 1)
+        assert spec.tok_s_per_user == pytest.approx(2.5 / spec.step_s)
+
+
+def test_compare_seed_shape_and_published_figures(tmp_path):
+    """The seed's split (DCP32 below ~48 requests, DP2 x DCP16 above) appears once DSpark is
+    counted, and the seed's 408 tok/s/user at 1 is within 2x of the speculative ceiling and
+    above the plain one."""
+    from k3serve.model.config import k3_full
+    from k3serve.server.plan_compare import SEED_PER_USER_AT_1, compare_seed
+    from k3serve.sharding.memory import param_inventory
+    from k3serve.sharding.roofline import TPU_V7
+
+    cfg = k3_full()
+    cmp = compare_seed(cfg, param_inventory(cfg), TPU_V7)
+    assert cmp.crossover[False] is None and 40 <= cmp.crossover[True] <= 72
+    assert cmp.at_1[False] < SEED_PER_USER_AT_1 < cmp.at_1[True] < 2 * SEED_PER_USER_AT_1
+    assert cmp.implied_input_per_output(True) > 1 and cmp.tpu_inference_ceiling > 18.35
+    png = tmp_path / "seed.png"
+    r = subprocess.run([sys.executable, "-m", "k3serve.server.cli", "plan", "--compare-seed", "--png", str(png)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "from 56 concurrent requests" in r.stdout and "408 tok/s/user" in r.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
