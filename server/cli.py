@@ -246,14 +246,19 @@ def _plan_compare_seed(args, cfg, inv) -> int:
     chip = dataclasses.replace(TPU_V7, collective_latency_s=args.collective_us * 1e-6)
     draft = dataclasses.replace(DSPARK, accepted=args.accept_length) if args.accept_length else DSPARK
     cmp = compare_seed(cfg, inv, chip, context_len=args.context_len or AGENTX_CONTEXT, draft=draft)
-    print_comparison(cmp, chip)
+    if args.json:
+        from .plan_compare import comparison_json
+
+        print(json.dumps(comparison_json(cmp, chip), indent=1))
+    else:
+        print_comparison(cmp, chip)
     if args.png:
         try:
             plot_comparison(cmp, args.png)
         except ImportError:
             print("no plot: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
             return 0
-        print(f"plot: {args.png}")
+        print(f"plot: {args.png}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

@@ -69,6 +69,24 @@ def compare_seed(cfg, inventory, chip, *, context_len: int = AGENTX_CONTEXT, dra
                       at_72=at_72, tpu_inference_ceiling=ceiling)
 
 
+def comparison_json(cmp: Comparison, chip) -> dict:
+    """The comparison as plain data (``--compare-seed --json``)."""
+    return {
+        "chip": dataclasses.asdict(chip), "context": cmp.context, "draft": dataclasses.asdict(cmp.draft),
+        "curves": [{"recipe": n, "speculative": s,
+                    "points": [{"concurrency": b, "tok_s_per_user": round(u, 1), "tok_s_total": round(t, 1),
+                                "bound": bd} for b, u, t, bd in pts]} for (n, s), pts in cmp.curves.items()],
+        "dp2_ahead_from": {"plain": cmp.crossover[False], "speculative": cmp.crossover[True]},
+        "published": {
+            "seed_tok_s_per_user_at_1": SEED_PER_USER_AT_1, "roofline_at_1": {"plain": cmp.at_1[False],
+                                                                             "speculative": cmp.at_1[True]},
+            "seed_tok_s_total_at_72": SEED_TOTAL_AT_72, "roofline_output_at_72": {"plain": cmp.at_72[False],
+                                                                                 "speculative": cmp.at_72[True]},
+            "implied_input_per_output_at_72": cmp.implied_input_per_output(True),
+            "tpu_inference": dict(TPU_INFERENCE, roofline=cmp.tpu_inference_ceiling)},
+    }
+
+
 def print_comparison(cmp: Comparison, chip) -> None:
     d = cmp.draft
     print(f"decode roofline of the seed's recipes on 32 x {chip.name}, {cmp.context:,} tokens of context; "

@@ -172,3 +172,8 @@ def test_compare_seed_shape_and_published_figures(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "from 56 concurrent requests" in r.stdout and "408 tok/s/user" in r.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = subprocess.run([sys.executable, "-m", "k3serve.server.cli", "plan", "--compare-seed", "--json", "--png", ""],
+                       capture_output=True, text=True, timeout=300)
+    out = json.loads(r.stdout)
+    assert out["dp2_ahead_from"] == {"plain": None, "speculative": cmp.crossover[True]}
+    assert len(out["curves"]) == 4 and out["published"]["seed_tok_s_per_user_at_1"] == SEED_PER_USER_AT_1
