@@ -50,7 +50,13 @@ inside the loop costs ~2x the batched one). Hence the CPU rule: ``gather`` for M
 N*k < E (and its copies stay under 32 MiB), otherwise ``blocked``; ``dense`` and ``grouped``
 never win here and stay selectable by name (``grouped`` is the form accelerator grouped-
 matmul kernels take). Tile size: ``--tiles`` times blocked at other tiles; the mean group
-size (twice it for MXFP4) was within noise of the best tile at every N measured.
+size (twice it for MXFP4) was within noise of the best tile at every N measured on the
+shared box. On a quiet box (2026-12-02, ``--shapes a b --tokens 16 32 64 128 --tiles 1 4 8
+16 32``) one exception was steady: a tile of 2 rows for dense experts. A two-row product
+takes XLA:CPU's YNNPACK path and costs about what a four-row one does, while one row is a
+plain matrix-vector product. At N=16 (mean 2) tile 1 gave 4.59 / 3.21 ms against 5.92 /
+4.28 ms for tile 2 on (a) / (b), so a tile of 2 becomes 1. Twice the mean was 3–7 % faster
+at N=32 and 64, within noise at 128, and is left alone.
 
 Weights keep the checkpoint layout ``[E, out, in]``; MXFP4 pairs are dequantized inside.
 """
@@ -104,10 +110,13 @@ def _pair_experts(topk_idx, valid, E):
 def blocked_tile_rows(N: int, k: int, E: int, mxfp4: bool = False) -> int:
     """Static row tile of the ``blocked`` strategy: the mean group size ``N*k/E`` (twice it
     for MXFP4 experts, whose per-tile dequantization favours fewer tiles) rounded up to a
-    power of two, in [1, 128]. Smaller tiles waste less padding compute (up to ``tm - 1``
-    rows per touched expert), larger ones run fewer loop steps."""
+    power of two, in [1, 128]; for dense experts never 2, which becomes 1 (XLA:CPU's
+    two-row product costs about as much as a four-row one, see the module docstring).
+    Smaller tiles waste less padding compute (up to ``tm - 1`` rows per touched expert),
+    larger ones run fewer loop steps."""
     mean = -(-N * k * (2 if mxfp4 else 1) // E)
-    return int(min(128, 1 << max(0, mean - 1).bit_length()))
+    tm = int(min(128, 1 << max(0, mean - 1).bit_length()))
+    return 1 if tm == 2 and not mxfp4 else tm
 
 
 def _blocked(x, topk_idx, topk_w, w1, w2, w3, act, E, compute_dtype, valid, tm, layer=None):

@@ -201,7 +201,7 @@ def test_expert_strategy_chooser():
         assert choose_strategy(N, 8, 64, 128, 256, mxfp4=True, platform="cpu") == want, N
     assert choose_strategy(1, 8, 384, 2048, 7168, mxfp4=True, platform="cpu") == "blocked"  # copy too big
     assert choose_strategy(512, 8, 64, 128, 256, platform="gpu") == "dense"
-    assert [blocked_tile_rows(N, 8, 64) for N in (1, 8, 32, 128, 512, 4096)] == [1, 1, 4, 16, 64, 128]
+    assert [blocked_tile_rows(N, 8, 64) for N in (1, 8, 16, 32, 128, 512, 4096)] == [1, 1, 1, 4, 16, 64, 128]
     assert [blocked_tile_rows(N, 8, 64, mxfp4=True) for N in (1, 8, 32, 512)] == [1, 2, 8, 128]
 
 
