@@ -1,7 +1,7 @@
 """``notebooks/04-deploy-v7.ipynb`` runs headless on CPU: the planner's choice, a pre-shard
 verified against its source, a 2-process × 4-device server whose greedy tokens equal one
 device's, P/D behind smg giving the unified server's text, a trace benchmark without failures
-and every process exiting 0 (its cells assert each). About 3 minutes on 2 cores."""
+and every process exiting 0 (its cells assert each). About 4–5 minutes on 2 cores."""
 from __future__ import annotations
 
 import pytest
