@@ -4,7 +4,8 @@ plans. For both recipes of the issue the greedy tokens through gRPC equal one de
 prefix caching on (a second turn hits the cache; a prefix evicted to the host-DRAM tier,
 kept per process, is reloaded); GetServerInfo reports the deployment;
 SIGTERM to the leader stops both with exit 0; SIGKILL of the follower during a decode gives
-the client UNAVAILABLE and the leader exits non-zero within 30 s, leaving no process.
+the client UNAVAILABLE and the leader exits non-zero within 30 s, leaving no process. A
+follower that compiles 35 s after the leader still joins (gloo's 30 s setup deadline).
 
 Each cluster loads and compiles its programs in two processes on this machine's cores
 (about a minute), so the module starts two clusters in all.
@@ -56,12 +57,16 @@ def reference(ckpt):
 
 
 class Cluster:
-    def __init__(self, ckpt, recipe: str, tmp, *extra: str):
+    def __init__(self, ckpt, recipe: str, tmp, *extra: str, follower_late_s: float = 0):
+        """``follower_late_s``: the follower starts compiling that much later than the leader
+        (``_late_warmup.py``)."""
         self.port, coord = free_port(), free_port()
         env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", K3SERVE_CACHE=str(tmp))
         self.logs = [open(tmp / f"p{i}.log", "w+") for i in range(2)]
+        late = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "_late_warmup.py"), str(follower_late_s)]
         self.procs = [subprocess.Popen(
-            [sys.executable, "-m", "k3serve.server.cli", "serve", "--model", str(ckpt), "--recipe", recipe,
+            [sys.executable, *(late if i and follower_late_s else ["-m", "k3serve.server.cli"]), "serve",
+             "--model", str(ckpt), "--recipe", recipe,
              "--coordinator", f"127.0.0.1:{coord}", "--num-processes", "2", "--process-id", str(i),
              "--port", str(self.port if i == 0 else free_port()), *SERVE, *extra],
             stdout=self.logs[i], stderr=subprocess.STDOUT, env=env) for i in (1, 0)][::-1]
@@ -160,8 +165,10 @@ def test_dcp8_sp2_tokens_prefix_host_tier_info_and_sigterm(ckpt, reference, tmp_
         c.close()
 
 
-def test_dp2_dcp4_tokens_then_follower_killed(ckpt, reference, tmp_path):
-    c = Cluster(ckpt, "ep=4,tp=2,dp=2,dcp=4", tmp_path)
+def test_dp2_dcp4_late_follower_tokens_then_follower_killed(ckpt, reference, tmp_path):
+    # the follower compiles 35 s after the leader (a slower host): gloo gives the first
+    # collective's setup 30 s, so the processes must meet after compiling
+    c = Cluster(ckpt, "ep=4,tp=2,dp=2,dcp=4", tmp_path, follower_late_s=35)
     try:
         c.wait_serving()
         _check_tokens_and_prefix(c, reference)

@@ -9,7 +9,8 @@ The control channel is found through the distributed runtime's key-value store: 
 (process 0, which also hosts JAX's coordination service) listens on a free port of
 ``control_host`` (default: the coordinator's host, which every process can reach by
 definition) and publishes ``host:port``; each follower reads it, connects and says "hello"
-with its process id. Nothing else uses the store.
+with its process id. The store's barrier (:func:`wait_for_processes`) lines the processes up
+before their first collectives.
 """
 from __future__ import annotations
 
@@ -58,6 +59,27 @@ def _kv():
     from jax._src import distributed
 
     return distributed.global_state.client
+
+
+_barriers = 0
+
+
+def wait_for_processes(name: str, timeout_s: float = 1800.0) -> None:
+    """Block until every process of the deployment has called this (in the same order; the
+    distributed runtime's barrier, not a device collective). A no-op in one process.
+
+    Why: the first run of a program with cross-process collectives sets up gloo's
+    communicator, which waits only 30 s for the other processes (a fixed deadline). A process
+    that compiles slower (a busy host, a cold compile cache) misses it and the deployment
+    fails to start; waiting here after compiling, with a deadline of ``timeout_s``, makes the
+    first collective find every process ready."""
+    import jax
+
+    global _barriers
+    if jax.process_count() == 1:
+        return
+    _barriers += 1
+    _kv().wait_at_barrier(f"k3serve/{name}/{_barriers}", int(timeout_s * 1000))
 
 
 def accept_followers(cluster: Cluster, control_host: str | None = None, timeout_s: float = 300.0

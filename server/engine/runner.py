@@ -51,6 +51,7 @@ from flax import nnx
 
 from ...intmath import cdiv
 from ...model.step import FlatBatch, token_buckets
+from ..cluster.runtime import wait_for_processes
 from .sampler import SamplerInputs, record_tokens, row_settings, sample, token_table_row, uses_penalties
 
 _SUPPRESS, _RECORD = 1, 2  # per-row flag bits
@@ -476,6 +477,9 @@ class Runner:
                 self._compiled[T] = fut.result()
             for R, fut in sfutures.items():
                 self._compiled_sample[R] = fut.result()
+        # every process of a multi-host deployment has compiled: meet before the first
+        # collectives, whose setup gives a slower process only 30 s (``wait_for_processes``)
+        wait_for_processes("warmup-compiled")
         # run each program once (first-run allocations), with the cache and table flowing through
         for T in shapes:
             logits, self.cache_mgr.device_cache, rows = self._compiled[T](
