@@ -88,6 +88,8 @@ class MoE(nnx.Module):
             aux["router_topk_idx"] = idx.reshape(*shape[:-1], -1)
             aux["router_topk_weight"] = w.reshape(*shape[:-1], -1)
         z = self.routed_expert_down_proj(xf) if cfg.latent_moe else xf
+        if cfg.latent_moe and par is not None:
+            z = par.latent_down(z)
         compute = jnp.float32 if x.dtype == jnp.float32 else x.dtype
         ffn = ops.expert_ffn if par is None else par.expert_ffn
         kw = {} if par is not None else {"backend": cfg.kernels}  # the EP path keeps the reference
@@ -97,7 +99,7 @@ class MoE(nnx.Module):
         if cfg.latent_moe:
             if cfg.latent_moe_use_norm:
                 r = self.routed_expert_norm(r)
-            r = self.routed_expert_up_proj(r)
+            r = self.routed_expert_up_proj(r if par is None else par.latent_up(r))
         if cfg.num_shared_experts:
             r = r + self.shared_experts(xf)
         return r.reshape(shape)

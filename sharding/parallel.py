@@ -186,31 +186,31 @@ class StepParallel:
     # ------------------------------------------------------------------ KDA slots by DP group
     def take_slots(self, pool, slots):
         """``pool[:, slots]`` where each DP group's rows name only its own slots (the KDA
-        state keeps its heads split over the group: :meth:`_slot_spec`)."""
-        if self.dp == 1:
-            return pool[:, slots]
+        state keeps its heads split over the group: :meth:`_slot_spec`). Per device, in the
+        pool's own layout (also without DP)."""
         spec = self._slot_spec(pool)
 
         def local(pool, slots):
-            base = jax.lax.axis_index("dp") * pool.shape[1]
+            base = jax.lax.axis_index("dp") * pool.shape[1] if self.dp > 1 else 0
             return pool[:, jnp.clip(slots - base, 0, pool.shape[1] - 1)]
 
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, P("dp")), out_specs=spec,
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, P(self.rows_axis)), out_specs=spec,
                              check_vma=False)(pool, slots)
 
     def put_slots(self, pool, slots, rows):
-        """``pool.at[:, slots].set(rows)``; slots out of range are dropped."""
-        if self.dp == 1:
-            return pool.at[:, slots].set(rows, mode="drop")
+        """``pool.at[:, slots].set(rows)``; slots out of range are dropped. Per device, in the
+        pool's own layout: ``rows`` are brought to it (a few rows), never the pool to them.
+        Left to XLA, a dp=1 step scattered into the replicated conv pool split over its
+        channels and then all-gathered the whole pool (``tools/step_collectives.py``)."""
         spec = self._slot_spec(pool)
 
         def local(pool, slots, rows):
-            base = jax.lax.axis_index("dp") * pool.shape[1]
+            base = jax.lax.axis_index("dp") * pool.shape[1] if self.dp > 1 else 0
             lid = slots - base
             lid = jnp.where((lid >= 0) & (lid < pool.shape[1]), lid, pool.shape[1])
             return pool.at[:, lid].set(rows, mode="drop")
 
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, P("dp"), spec), out_specs=spec,
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, P(self.rows_axis), spec), out_specs=spec,
                              check_vma=False)(pool, slots, rows)
 
     # ------------------------------------------------------------------ experts
@@ -222,6 +222,33 @@ class StepParallel:
         from .ep import expert_ffn_ep
 
         return expert_ffn_ep(*args, mesh=self.mesh, impl=self.ep_impl, **kw)
+
+    # ------------------------------------------------------------------ latent MoE projections
+    def _latent_axes(self, width: int):
+        """``ATTN`` where the latent projections' latent dim is split over it (``param_spec``)."""
+        return ATTN if width % self.recipe.attn_group == 0 else None
+
+    def latent_down(self, z):
+        """``z`` [T, latent], the output of the column-parallel latent down-projection, as
+        the expert dispatch reads it. Pinned first to the weight's layout (latent over
+        ``ATTN``: each device multiplies by its own rows of the weight), then whole per
+        DP group's tokens (an all-gather of activations). Without the first constraint
+        XLA's partitioner computed the projection in the dispatch's token layout, which
+        all-gathers the whole weight every MoE layer (measured: ``tools/step_collectives.py``)."""
+        ax = self._latent_axes(z.shape[-1])
+        if ax is None:
+            return z
+        z = jax.lax.with_sharding_constraint(z, NamedSharding(self.mesh, P(self.rows_axis, ax)))
+        return jax.lax.with_sharding_constraint(z, NamedSharding(self.mesh, P(self.rows_axis, None)))
+
+    def latent_up(self, r):
+        """``r`` [T, latent], the experts' output (replicated), split over ``ATTN`` like the
+        columns of the row-parallel latent up-projection that reads it (a local slice), so
+        the projection sums partial products instead of gathering its weight."""
+        ax = self._latent_axes(r.shape[-1])
+        if ax is None:
+            return r
+        return jax.lax.with_sharding_constraint(r, NamedSharding(self.mesh, P(self.rows_axis, ax)))
 
     # ------------------------------------------------------------------ sequence parallelism
     def _sp_on(self, x) -> bool:
