@@ -1,5 +1,5 @@
 """The collectives of a compiled program, read from its optimized HLO text: which op, the
-shape and bytes of each result, the replica groups and the source op it came from.
+shape and bytes of each result and the source op it came from.
 
 Why: XLA's Auto partitioner chooses the collectives of a step, and a poor choice (an
 all-gather of a whole weight or cache array every layer) costs correctness nothing and shows
@@ -13,6 +13,7 @@ text, not of executions.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 KINDS = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "collective-permute")
@@ -28,7 +29,6 @@ class Collective:
     kind: str
     shapes: tuple  # ((dtype, (dims...)), ...): one per result (a tuple result has several)
     nbytes: int  # all results together
-    groups: str  # replica groups as written in the HLO
     op_name: str  # the JAX op it was partitioned from (metadata), "" when absent
 
 
@@ -42,16 +42,9 @@ def collectives(hlo_text: str) -> list[Collective]:
             continue
         shapes = tuple((d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _SHAPE.findall(m["result"])
                        if d in _BYTES)
-        nbytes = 0
-        for d, dims in shapes:
-            n = _BYTES[d]
-            for x in dims:
-                n *= x
-            nbytes += n
-        groups = re.search(r"replica_groups=(mesh\[[^\]]*\] \{[^}]*\}|\{[^ ]*\}|\[[^ ]*)", line)
+        nbytes = sum(_BYTES[d] * math.prod(dims) for d, dims in shapes)
         op = re.search(r'op_name="([^"]*)"', line)
-        out.append(Collective(m["kind"], shapes, nbytes, groups.group(1).rstrip(",") if groups else "",
-                              op.group(1) if op else ""))
+        out.append(Collective(m["kind"], shapes, nbytes, op.group(1) if op else ""))
     return out
 
 
@@ -64,30 +57,24 @@ def summary(colls: list[Collective]) -> dict:
     return out
 
 
-def watched_arrays(params: dict, cache: dict, max_tokens: int) -> dict:
-    """The shapes :func:`whole_array_gathers` looks for: each weight matrix (one layer's row of
-    a scanned stack, ``attn.*``/``ffn.*``) whose dims all exceed ``4 * max_tokens`` (no
-    activation of a step of at most ``max_tokens`` tokens has its shape: tokens, rows and a
-    few experts per token stay below it), and every cache array whole. ``params`` and
-    ``cache``: ``{name: shape}``."""
-    out = {}
-    for name, shape in params.items():
-        layer = tuple(shape[1:]) if name.startswith(("attn.", "ffn.")) else tuple(shape)
-        if len(layer) >= 2 and min(layer) > 4 * max_tokens:
-            out[name] = layer
-    out.update({f"cache.{k}": tuple(v) for k, v in cache.items()})
-    return out
-
-
 def runner_arrays(runner) -> dict:
-    """:func:`watched_arrays` of an engine's runner (``server.engine.runner.Runner``): its
-    model's parameters, its device cache and its largest token bucket."""
+    """The shapes :func:`whole_array_gathers` looks for in an engine's runner
+    (``server.engine.runner.Runner``): each weight matrix of its model (one layer's row of a
+    scanned stack, ``attn.*``/``ffn.*``) whose dims all exceed 4x the largest token bucket (no
+    activation of a step has its shape: tokens, rows and a few experts per token stay below
+    it), and every array of its device cache whole. ``{name: shape}``."""
     from flax import nnx
 
-    params = {".".join(map(str, p)): v.get_value().shape for p, v in nnx.to_flat_state(runner.model.params)}
+    max_tokens = max(runner.shape_buckets())
+    out = {}
+    for p, v in nnx.to_flat_state(runner.model.params):
+        name, shape = ".".join(map(str, p)), tuple(v.get_value().shape)
+        layer = shape[1:] if name.startswith(("attn.", "ffn.")) else shape
+        if len(layer) >= 2 and min(layer) > 4 * max_tokens:
+            out[name] = layer
     cache = runner.cache_mgr.device_cache
-    return watched_arrays(params, {k: getattr(cache, k).shape for k in ("kda_state", "kda_conv", "mla_kv")},
-                          max(runner.shape_buckets()))
+    out.update({f"cache.{k}": tuple(getattr(cache, k).shape) for k in ("kda_state", "kda_conv", "mla_kv")})
+    return out
 
 
 def whole_array_gathers(colls: list[Collective], arrays: dict) -> list[tuple[str, Collective]]:
