@@ -403,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--recipe", default=None, help="parallelism recipe: preset or 'ep=8,tp=4,dcp=32,sp=4' "
                                                     "(default: one device)")
     sv.add_argument("--api-key", default=None, help="require 'authorization: Bearer KEY' metadata")
+    sv.add_argument("--cluster-secret-file", default=None,
+                    help="the deployment's shared secret (the P/D bootstrap service, the multi-host control "
+                         "channel); default: $K3SERVE_CLUSTER_SECRET. Never on the command line")
     sv.add_argument("--tls-cert", default=None)
     sv.add_argument("--tls-key", default=None)
     sv.add_argument("--max-message-mb", type=int, default=16, help="largest gRPC message accepted")
