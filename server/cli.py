@@ -241,13 +241,13 @@ def _plan_compare_seed(args, cfg, inv) -> int:
     import dataclasses
 
     from ..sharding.roofline import DSPARK, TPU_V7
-    from .plan_compare import AGENTX_CONTEXT, compare_seed, plot_comparison, print_comparison
+    from ..sharding.plan_compare import AGENTX_CONTEXT, compare_seed, plot_comparison, print_comparison
 
     chip = dataclasses.replace(TPU_V7, collective_latency_s=args.collective_us * 1e-6)
     draft = dataclasses.replace(DSPARK, accepted=args.accept_length) if args.accept_length else DSPARK
     cmp = compare_seed(cfg, inv, chip, context_len=args.context_len or AGENTX_CONTEXT, draft=draft)
     if args.json:
-        from .plan_compare import comparison_json
+        from ..sharding.plan_compare import comparison_json
 
         print(json.dumps(comparison_json(cmp, chip), indent=1))
     else:
@@ -267,7 +267,7 @@ def _plan_roofline(args, cfg, inv) -> int:
 
     from ..sharding.recipe import Recipe, RecipeError
     from ..sharding.roofline import TPU_V7, candidate_recipes, recommend
-    from .plan_report import print_recommendation, print_roofline, roofline_rows
+    from ..sharding.plan_report import print_recommendation, print_roofline, roofline_rows
 
     chip = dataclasses.replace(TPU_V7, collective_latency_s=args.collective_us * 1e-6)
     concurrency = [int(x) for x in (args.concurrency or "1").split(",")]

@@ -157,7 +157,7 @@ def test_compare_seed_shape_and_published_figures(tmp_path):
     counted, and the seed's 408 tok/s/user at 1 is within 2x of the speculative ceiling and
     above the plain one."""
     from k3serve.model.config import k3_full
-    from k3serve.server.plan_compare import SEED_PER_USER_AT_1, compare_seed
+    from k3serve.sharding.plan_compare import SEED_PER_USER_AT_1, compare_seed
     from k3serve.sharding.memory import param_inventory
     from k3serve.sharding.roofline import TPU_V7
 

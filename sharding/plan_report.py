@@ -7,7 +7,7 @@ import json
 
 
 def roofline_rows(cfg, recipes, inventory, contexts, concurrencies, chip) -> list[dict]:
-    from ..sharding.roofline import step_cost
+    from .roofline import step_cost
 
     rows = []
     for r in recipes:

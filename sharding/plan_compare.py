@@ -42,8 +42,8 @@ class Comparison:
 
 def compare_seed(cfg, inventory, chip, *, context_len: int = AGENTX_CONTEXT, draft=None,
                  concurrency=CONCURRENCY) -> Comparison:
-    from ..sharding.recipe import PRESETS
-    from ..sharding.roofline import DSPARK, step_cost
+    from .recipe import PRESETS
+    from .roofline import DSPARK, step_cost
 
     draft = draft or DSPARK
     curves = {}
