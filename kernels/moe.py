@@ -65,6 +65,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .moe_pairs import pair_experts
 from .mxfp4 import unpack_mxfp4
 
 
@@ -96,17 +97,6 @@ def _shape(w):
     return w[0].shape[-3:-1] + (w[0].shape[-1] * 2,) if isinstance(w, (tuple, list)) else w.shape[-3:]
 
 
-def _pair_experts(topk_idx, valid, E):
-    """Flattened (token, choice) expert ids [N*k], ``E`` (a sentinel outside every group) for
-    pairs of invalid tokens and for ids outside ``[0, E)``."""
-    N, k = topk_idx.shape
-    flat = topk_idx.reshape(-1).astype(jnp.int32)
-    ok = (flat >= 0) & (flat < E)
-    if valid is not None:
-        ok &= jnp.repeat(jnp.asarray(valid, bool).reshape(N), k)
-    return jnp.where(ok, flat, E)
-
-
 def blocked_tile_rows(N: int, k: int, E: int, mxfp4: bool = False) -> int:
     """Static row tile of the ``blocked`` strategy: the mean group size ``N*k/E`` (twice it
     for MXFP4 experts, whose per-tile dequantization favours fewer tiles) rounded up to a
@@ -127,7 +117,7 @@ def _blocked(x, topk_idx, topk_w, w1, w2, w3, act, E, compute_dtype, valid, tm, 
     N, K = x.shape
     k = topk_idx.shape[1]
     M = N * k
-    flat_e = _pair_experts(topk_idx, valid, E)  # [M], E = sentinel
+    flat_e = pair_experts(topk_idx, valid, E)  # [M], E = sentinel
     sizes = jnp.zeros((E + 1,), i32).at[flat_e].add(1)[:E]  # sentinel excluded
     tiles = (sizes + tm - 1) // tm  # per expert
     tile_end = jnp.cumsum(tiles)
@@ -241,7 +231,7 @@ def expert_ffn(x, topk_idx, topk_w, w1, w2, w3, act, num_experts: int, compute_d
         return keep(y)
     if strategy != "grouped":
         raise ValueError(f"unknown expert strategy {strategy!r} (one of {', '.join(STRATEGIES)})")
-    flat_e = _pair_experts(topk_idx, valid, num_experts)  # sentinel E sorts last, outside every group
+    flat_e = pair_experts(topk_idx, valid, num_experts)  # sentinel E sorts last, outside every group
     order = jnp.argsort(flat_e, stable=True)
     tok = order // k
     group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[flat_e].add(1)[:num_experts]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from .gmm_mxfp4 import default_blocks, mxfp4_gmm, repack_halves, tile_k
-from .moe import _pair_experts
+from .moe_pairs import pair_experts
 
 
 def repack_experts(packed):
@@ -34,7 +34,7 @@ def gmm_experts(x, topk_idx, topk_w, w1, w2, w3, act, E, compute_dtype, valid, l
     M = N * k
     tm = _row_tile(M // max(1, E) + 1)
     Mp = -(-M // tm) * tm
-    flat_e = _pair_experts(topk_idx, valid, E)  # [M], E = sentinel (no expert)
+    flat_e = pair_experts(topk_idx, valid, E)  # [M], E = sentinel (no expert)
     order = jnp.argsort(flat_e, stable=True)
     tok = (order // k).astype(i32)
     sizes = jnp.zeros((E + 1,), i32).at[flat_e].add(1)[:E]
