@@ -32,18 +32,16 @@ router e_score_correction_bias (F32)                  N(0, 0.2^2) -> bias change
 ====================================================  ====================================
 
 Public entry points: :func:`k3_config`, :func:`demo_config`, :func:`tensor_specs`,
-:func:`count_parameters`, :func:`generate_checkpoint`, :func:`demo_checkpoint`.
+:func:`count_parameters`, :func:`generate_checkpoint` (the cached demo model with its tokenizer:
+``k3serve.demo``).
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -467,47 +465,3 @@ def demo_checkpoint_name(config: dict | None = None, seed: int = DEMO_SEED) -> s
     config = demo_config() if config is None else config
     key = json.dumps({"config": config, "seed": int(seed), "version": GENERATOR_VERSION}, sort_keys=True)
     return "k3-demo-" + hashlib.sha256(key.encode()).hexdigest()[:12]
-
-
-def demo_checkpoint(cache_dir: str | os.PathLike | None = None, *, seed: int = DEMO_SEED) -> Path:
-    """Path of the demo checkpoint, generating it on first use.
-
-    It lives in ``cache_dir`` (default :func:`default_cache_dir`) under
-    :func:`demo_checkpoint_name`. Generation writes into a temporary sibling folder that is
-    renamed into place in one step, so concurrent callers never see a partial checkpoint;
-    the loser of a race discards its copy and uses the winner's.
-    """
-    base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    config = demo_config()
-    final = base / demo_checkpoint_name(config, seed)
-    if (final / "config.json").is_file():
-        return final
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=base))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the cache entry should be shareable
-    try:
-        generate_checkpoint(tmp, copy.deepcopy(config), seed)
-        try:  # the demo tokenizer (sentencepiece, trained in ~2 s); ids-only use needs none
-            from ..server.text.demo_tokenizer import write_demo_tokenizer
-
-            write_demo_tokenizer(tmp)
-        except ImportError as e:
-            import warnings
-
-            warnings.warn(f"demo checkpoint written without a tokenizer ({e})", stacklevel=2)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
-def model_or_demo(model: str | os.PathLike | None) -> Path:
-    """``model`` as a path, or the embedded demo checkpoint (built on first use) when None."""
-    return Path(model) if model else demo_checkpoint()

@@ -27,7 +27,7 @@ from pathlib import Path
 
 
 def _model_dir(args) -> Path:
-    from ..checkpoints.synthetic import model_or_demo
+    from ..demo import model_or_demo
 
     return model_or_demo(args.model)
 

@@ -13,13 +13,13 @@ from k3serve.checkpoints import synthetic
 from k3serve.checkpoints.safetensors_io import open_checkpoint
 from k3serve.checkpoints.synthetic import (
     count_parameters,
-    demo_checkpoint,
     demo_checkpoint_name,
     demo_config,
     generate_checkpoint,
     k3_config,
     tensor_specs,
 )
+from k3serve.demo import demo_checkpoint
 from k3serve.kernels.mxfp4 import unpack_mxfp4_np
 
 ROOT = Path(__file__).resolve().parents[1]

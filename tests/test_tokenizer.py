@@ -146,13 +146,14 @@ def test_cli(tmp_path, capsys):
 
 
 def test_demo_checkpoint_ships_tokenizer(tmp_path, monkeypatch):
+    from k3serve import demo
     from k3serve.checkpoints import synthetic
 
     def fake_weights(out, config, seed):  # the weights are tested in test_synthetic
         Path(out, "config.json").write_text(json.dumps(config))
 
     monkeypatch.setattr(synthetic, "generate_checkpoint", fake_weights)
-    path = synthetic.demo_checkpoint(tmp_path / "a")
+    path = demo.demo_checkpoint(tmp_path / "a")
     tok = load_tokenizer(path)
     assert tok is not None and tok.eos_token_id == synthetic.demo_config()["eos_token_id"]
     assert [p.name for p in tok.files] == ["tokenizer.json", "tokenizer_config.json", "tokenizer.model", "config.json"]
@@ -162,7 +163,7 @@ def test_demo_checkpoint_ships_tokenizer(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tdt, "write_demo_tokenizer", no_sentencepiece)
     with pytest.warns(UserWarning, match="without a tokenizer"):
-        path = synthetic.demo_checkpoint(tmp_path / "b")
+        path = demo.demo_checkpoint(tmp_path / "b")
     assert (path / "config.json").is_file() and load_tokenizer(path) is None
 
 

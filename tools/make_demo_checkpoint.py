@@ -13,7 +13,8 @@ import argparse
 import time
 from pathlib import Path
 
-from k3serve.checkpoints.synthetic import DEMO_SEED, count_parameters, demo_checkpoint, demo_config, generate_checkpoint
+from k3serve.checkpoints.synthetic import DEMO_SEED, count_parameters, demo_config, generate_checkpoint
+from k3serve.demo import demo_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ def main() -> int:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={a.devices}"
 
     from k3serve import LLM
-    from k3serve.checkpoints.synthetic import demo_checkpoint
+    from k3serve.demo import demo_checkpoint
     from k3serve.sharding.collectives import collectives, runner_arrays, summary, whole_array_gathers
 
     path = str(demo_checkpoint()) if a.model == "demo" else a.model

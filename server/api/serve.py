@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from ...checkpoints.synthetic import model_or_demo
+from ...demo import model_or_demo
 from ...compile_cache import enable_compile_cache
 from ..cli import prefix_kwargs
 from .engine_thread import EngineThread

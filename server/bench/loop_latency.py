@@ -42,7 +42,7 @@ def run(model_dir=None, streams: int = 8, probes: int = 20, prompt_len: int = 16
         max_model_len: int = 256, gap_s: float = 0.05) -> dict:
     import numpy as np
 
-    from ...checkpoints.synthetic import demo_checkpoint
+    from ...demo import demo_checkpoint
     from ...compile_cache import enable_compile_cache
     from ...model import load_pretrained
     from ..api.engine_thread import EngineThread

@@ -17,7 +17,7 @@ def emit(report: dict, json_path: str | None = None) -> int:
 def model_dir(name: str) -> pathlib.Path:
     """A benchmark's ``--model``: a checkpoint directory, or ``demo`` (the embedded demo model)."""
     if name == "demo":
-        from ...checkpoints.synthetic import demo_checkpoint
+        from ...demo import demo_checkpoint
 
         return pathlib.Path(demo_checkpoint())
     return pathlib.Path(name)

@@ -43,8 +43,8 @@ print(json.dumps({"load_s": round(t1 - t0, 2), "warmup_s": round(eng.warmup_s, 2
 
 def checkpoint_for(layers: int):
     """The demo checkpoint with ``layers`` layers (the demo itself at 13), generated once."""
-    from ...checkpoints.synthetic import (DEMO_SEED, default_cache_dir, demo_checkpoint, demo_checkpoint_name,
-                                          demo_config, generate_checkpoint)
+    from ...checkpoints.synthetic import DEMO_SEED, default_cache_dir, demo_checkpoint_name, demo_config, generate_checkpoint
+    from ...demo import demo_checkpoint
 
     if layers == 13:
         return demo_checkpoint()
