@@ -528,9 +528,9 @@ class GrpcServer:
 
     def __init__(self, servicer: Servicer, *, host: str = "127.0.0.1", port: int = 50051, max_workers: int = 1032,
                  api_key: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 max_message_bytes: int = 16 << 20):
+                 max_message_bytes: int = 16 << 20, admin_key: str | None = None):
         self.servicer = servicer
-        interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
+        interceptors = [ApiKeyInterceptor(api_key, admin_key)] if api_key or admin_key else []
         opts = [("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes), ("grpc.so_reuseport", 0)]
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="k3-grpc"),
