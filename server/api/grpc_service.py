@@ -6,8 +6,8 @@ Wire format: ``sglang.grpc.scheduler.SglangScheduler`` from the pinned PyPI
 only the final ``GenerateComplete``), ``Abort``, ``HealthCheck``, ``GetModelInfo``,
 ``GetServerInfo``, ``GetLoads``, ``GetTokenizer`` (zip bundle of the checkpoint's tokenizer
 files + config.json, sha256 on the last chunk), ``FlushCache`` (drops the prefix cache) and
-``SubscribeKvEvents`` (the prefix cache's stored/removed blocks; FAILED_PRECONDITION when
-prefix caching is off). ``Embed``, ``StartProfile``, ``StopProfile`` and the three LoRA RPCs
+``SubscribeKvEvents`` (the prefix cache's stored/removed blocks, for the admin key only when
+the server has keys; FAILED_PRECONDITION when prefix caching is off). ``Embed``, ``StartProfile``, ``StopProfile`` and the three LoRA RPCs
 answer UNIMPLEMENTED with a message.
 
 Proto3 cannot tell "absent" from zero, so zero means "default" where zero is not a
@@ -454,7 +454,9 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
 
     def SubscribeKvEvents(self, request, context):
         """Stream the prefix cache's stored/removed blocks (one block = one prefix-match unit,
-        ``block_hash`` = its chained key) from ``start_sequence_number`` (0 = from now)."""
+        ``block_hash`` = its chained key) from ``start_sequence_number`` (0 = from now). The
+        blocks carry every tenant's token ids (smg's router hashes them to route), so the
+        interceptor answers this RPC only to the admin key (``auth.py``, docs/grpc.md)."""
         loop = self._loop(context)
         if loop.engine.prefix_cache is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prefix caching is off: no KV events")
