@@ -402,7 +402,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--sync", action="store_true", help="disable async scheduling")
     sv.add_argument("--recipe", default=None, help="parallelism recipe: preset or 'ep=8,tp=4,dcp=32,sp=4' "
                                                     "(default: one device)")
-    sv.add_argument("--api-key", default=None, help="require 'authorization: Bearer KEY' metadata")
+    sv.add_argument("--api-key", default=None,
+                    help="require 'authorization: Bearer KEY' metadata; visible to other users of the machine "
+                         "(ps): prefer --api-key-file or $K3SERVE_API_KEY")
+    sv.add_argument("--api-key-file", default=None,
+                    help="the API key from a file (default: $K3SERVE_API_KEY)")
+    sv.add_argument("--admin-key-file", default=None,
+                    help="the key SubscribeKvEvents needs (every tenant's cached token ids: give it to the router "
+                         "only); default: $K3SERVE_ADMIN_KEY. With an API key and no admin key it is refused")
     sv.add_argument("--cluster-secret-file", default=None,
                     help="the deployment's shared secret (the P/D bootstrap service, the multi-host control "
                          "channel); default: $K3SERVE_CLUSTER_SECRET. Never on the command line")

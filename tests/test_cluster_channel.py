@@ -2,7 +2,10 @@
 is not data), the leader replays every call on its followers in order before running it,
 and a follower that closes, reports an error or falls silent is reported lost once; the
 follower loop runs operations in order, answers "stop" with "bye" and reports a failing
-operation. Sockets are local socket pairs."""
+operation. The hello: the leader keeps accepting past port probes, garbage, oversized
+frames, silence and wrong proofs until the real followers join; a follower refuses a leader
+that cannot prove the secret; with no secret configured the leader's generated one reaches
+the followers through the key-value store (an in-process stand-in). Sockets are local."""
 from __future__ import annotations
 
 import socket
@@ -170,3 +173,149 @@ def test_follower_exits_when_the_leader_is_gone(tmp_path):
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+# ---------------------------------------------------------------- the hello (server/cluster/hello.py)
+
+class _FakeKV:
+    """The distributed runtime's key-value store, in-process (what runtime._kv() returns)."""
+
+    def __init__(self):
+        self.d, self.cv = {}, threading.Condition()
+
+    def key_value_set(self, k, v):
+        with self.cv:
+            self.d[k] = v
+            self.cv.notify_all()
+
+    def blocking_key_value_get(self, k, timeout_ms):
+        with self.cv:
+            assert self.cv.wait_for(lambda: k in self.d, timeout_ms / 1000)
+            return self.d[k]
+
+
+@pytest.fixture
+def kv(monkeypatch):
+    from k3serve.server.cluster import runtime
+
+    store = _FakeKV()
+    monkeypatch.setattr(runtime, "_kv", lambda: store)
+    return store
+
+
+def _cluster(pid, n=3):
+    from k3serve.server.cluster.runtime import Cluster
+
+    return Cluster(pid, n, "127.0.0.1:1")
+
+
+def _lead_in_thread(n=3):
+    from k3serve.server.cluster.runtime import accept_followers
+
+    box = {}
+
+    def run():
+        try:
+            box["followers"] = accept_followers(_cluster(0, n), "127.0.0.1", timeout_s=20)
+        except BaseException as e:
+            box["error"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, box
+
+
+SECRET = "s3cret-of-the-deployment-0123456789"
+
+
+def test_leader_survives_bad_peers_until_the_real_followers_join(kv, monkeypatch):
+    """A port probe, garbage, a 1 GiB length prefix, a silent peer, a wrong proof and a
+    process id out of range are each refused (logged), and the real followers still join."""
+    from k3serve.server.cluster.runtime import connect_to_leader
+    from k3serve.server.shared_secret import sign
+
+    monkeypatch.setenv("K3SERVE_CLUSTER_SECRET", SECRET)
+    th, box = _lead_in_thread()
+    host, port = kv.blocking_key_value_get("k3serve/control", 10_000).rsplit(":", 1)
+    addr = (host, int(port))
+    socket.create_connection(addr).close()  # a port probe
+    with socket.create_connection(addr) as s:  # garbage
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.05)
+    with socket.create_connection(addr) as s:  # "here come 1 GiB": refused from the length alone
+        s.settimeout(5)
+        s.sendall((1 << 30).to_bytes(4, "big") + b"x" * 100)
+        try:
+            while s.recv(4096):  # the leader closes it (a reset: our bytes are unread)
+                pass
+        except ConnectionResetError:
+            pass
+    silent = socket.create_connection(addr)  # says nothing (its hello thread times out later)
+    for secret, pid, why in ((b"not-the-deployment-secret-at-all", 1, "wrong proof"),
+                             (SECRET.encode(), 7, "not a follower")):
+        with socket.create_connection(addr) as s:
+            s.settimeout(5)
+            op, (nonce,) = wire.recv(s)
+            wire.send(s, "hello", [pid, "n", sign(secret, "hello", pid, nonce)])
+            op, args = wire.recv(s)
+            assert op == "refused" and why in args[0]
+    assert th.is_alive() and "error" not in box
+    socks = {pid: connect_to_leader(_cluster(pid), timeout_s=10) for pid in (2, 1)}
+    th.join(10)
+    assert "error" not in box and sorted(box["followers"]) == [1, 2]
+    wire.send(box["followers"][2], "op", ["x"])  # the joined connections carry frames
+    assert wire.recv(socks[2]) == ("op", ["x"])
+    for s in [silent, *socks.values(), *box["followers"].values()]:
+        s.close()
+
+
+def test_a_follower_refuses_an_impostor_leader(kv, monkeypatch):
+    """A listener at the control address that cannot prove the secret gets a hello it
+    cannot replay, and the follower raises before sending anything else."""
+    from k3serve.server.cluster.hello import HelloRefused
+    from k3serve.server.cluster.runtime import connect_to_leader
+
+    monkeypatch.setenv("K3SERVE_CLUSTER_SECRET", SECRET)
+    srv = socket.create_server(("127.0.0.1", 0))
+    kv.key_value_set("k3serve/control-secret", "configured")
+    kv.key_value_set("k3serve/control", f"127.0.0.1:{srv.getsockname()[1]}")
+    got = []
+
+    def impostor():
+        conn, _ = srv.accept()
+        with conn:
+            conn.settimeout(5)
+            wire.send(conn, "challenge", ["abc"])
+            got.append(wire.recv(conn))
+            wire.send(conn, "welcome", ["0" * 64])  # a guess
+            try:
+                while data := conn.recv(4096):  # anything the follower sends after the hello
+                    got.append(data)
+            except OSError:
+                pass
+
+    th = threading.Thread(target=impostor, daemon=True)
+    th.start()
+    with pytest.raises(HelloRefused, match="did not prove"):
+        connect_to_leader(_cluster(1, 2), timeout_s=10)
+    th.join(5)
+    srv.close()
+    assert [g[0] for g in got] == ["hello"]  # the hello, then nothing
+
+
+def test_generated_secret_and_mixed_configuration(kv, monkeypatch):
+    """No secret anywhere: the leader draws one and publishes it in the store; a follower
+    that has one while the leader has none is refused with a message."""
+    from k3serve.server.cluster.runtime import connect_to_leader, control_secret
+
+    monkeypatch.delenv("K3SERVE_CLUSTER_SECRET", raising=False)
+    th, box = _lead_in_thread(n=2)
+    sock = connect_to_leader(_cluster(1, 2), timeout_s=10)
+    th.join(10)
+    assert list(box["followers"]) == [1]
+    assert len(bytes.fromhex(kv.d["k3serve/control-secret"].removeprefix("generated:"))) == 32
+    monkeypatch.setenv("K3SERVE_CLUSTER_SECRET", SECRET)
+    with pytest.raises(ValueError, match="the leader none"):
+        control_secret(_cluster(1, 2))
+    sock.close()
+    box["followers"][1].close()

@@ -60,6 +60,14 @@ def _req(ids, rid="", max_new=12, stream=True, **sp):
                               sampling_params=pb.SamplingParams(max_new_tokens=max_new, **sp))
 
 
+def _params(**kw):
+    from google.protobuf import struct_pb2
+
+    st = struct_pb2.Struct()
+    st.update(kw)
+    return st
+
+
 def _prompts():
     g = golden(CASE)
     return ([list(map(int, g[f"input_ids_{i}"])) for i in range(3)],
@@ -168,14 +176,28 @@ def test_bad_inputs_are_refused_and_change_nothing(served):
         (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ok), input_embeds=[0.1],
                             sampling_params=SP(max_new_tokens=4)), "INVALID_ARGUMENT"),
         (_req([300] * 600_000), "RESOURCE_EXHAUSTED"),  # 1.2 MB: over the 1 MiB message limit
+        # limits (issue #32): the stop scan's size, seeds, fields not supported yet
+        (_req(ok, stop=["x"] * 17), "INVALID_ARGUMENT", "at most 16"),
+        (_req(ok, stop=["x" * 257]), "INVALID_ARGUMENT", "at most 256"),
+        (_req(ok, stop_token_ids=[1] * 65), "INVALID_ARGUMENT", "at most 64"),
+        (_req(ok, custom_params=_params(seed=inf)), "INVALID_ARGUMENT", "seed"),
+        (_req(ok, custom_params=_params(seed=nan)), "INVALID_ARGUMENT", "seed"),
+        (_req(ok, custom_params=_params(seed=1e300)), "INVALID_ARGUMENT", "out of range"),
+        (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ok), token_ids_logprob=[3],
+                            sampling_params=SP(max_new_tokens=4)), "INVALID_ARGUMENT", "not supported yet"),
+        (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ok), token_ids_logprob=[V + 9],
+                            sampling_params=SP(max_new_tokens=4)), "INVALID_ARGUMENT", "not supported yet"),
+        (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ok), data_parallel_rank=1,
+                            sampling_params=SP(max_new_tokens=4)), "INVALID_ARGUMENT", "data_parallel_rank"),
+        (_req(ok, rid="r" * 257), "INVALID_ARGUMENT", "request_id"),
     ]
     seen = []  # (case, status) of every refusal actually observed
-    for i, (req, code) in enumerate(cases):
+    for i, (req, code, *msg) in enumerate(cases):
         with pytest.raises(grpc.RpcError) as e:
             _collect(served.stub, req)
             pytest.fail(f"case {i} was accepted")
         assert e.value.code() == getattr(grpc.StatusCode, code), (i, e.value.details())
-        assert e.value.details()
+        assert e.value.details() and all(m in e.value.details() for m in msg), (i, e.value.details())
         seen.append((i, e.value.code()))
     # a duplicate request id while the first is in flight
     first = served.stub.Generate(_req(base[0], rid="dup", max_new=80), timeout=120)  # long: still running
@@ -185,9 +207,16 @@ def test_bad_inputs_are_refused_and_change_nothing(served):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dup" in e.value.details()
     seen.append(("dup", e.value.code()))
     first.cancel()
-    assert seen == [(i, getattr(grpc.StatusCode, c)) for i, (_, c) in enumerate(cases)] + [
+    assert seen == [(i, getattr(grpc.StatusCode, c[1])) for i, c in enumerate(cases)] + [
         ("dup", grpc.StatusCode.INVALID_ARGUMENT)]
-    assert len(seen) == 32
+    assert len(seen) == 42
+    # within the limits: 64 stop ids (held as a set) and a 256-character request id are served
+    stops = [t for t in range(V) if t not in expect[0]][:64]
+    _, done = _collect(served.stub, _req(base[0], rid="r" * 256, stop_token_ids=stops, max_new=4))
+    assert list(done.output_ids) == expect[0][:4] and done.finish_reason == "length"
+    stops[-1] = expect[0][2]
+    _, done = _collect(served.stub, _req(base[0], stop_token_ids=stops, max_new=4))
+    assert list(done.output_ids) == expect[0][:3] and done.matched_token_id == expect[0][2]
     # the server still serves, with the output a fresh server gives (the golden one)
     _, done = _collect(served.stub, _req(base[0]))
     assert list(done.output_ids) == expect[0]

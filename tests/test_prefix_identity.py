@@ -40,10 +40,23 @@ def test_tenants_never_share_a_key():
     keys = [plain, s1, s2, k1, k2]
     flat = [h for ks in keys for h in ks]
     assert len(set(flat)) == len(flat)  # no key shared between any two tenants
-    assert tenant_salt(cache_salt="x", api_key="k") == tenant_salt(cache_salt="x")  # the salt field wins
     assert tenant_salt() == b"" and b"sk-1" not in tenant_salt(api_key="sk-1")  # the key is not kept
     assert chain_hashes(prompt, 16, tenant_salt(cache_salt="team-a")) == s1  # deterministic
     assert root_hash(b"a") != root_hash(b"")
+
+
+def test_a_cache_salt_narrows_the_key_tenant_and_never_replaces_it():
+    """salt = H(key) ‖ cache_salt: naming another client's salt under another key shares
+    nothing; one key's salts are apart from each other and from the key alone."""
+    prompt = list(range(32))
+    tenants = [dict(api_key="sk-1", cache_salt="x"), dict(api_key="sk-2", cache_salt="x"), dict(cache_salt="x"),
+               dict(api_key="sk-1"), dict(api_key="sk-1", cache_salt="y"), dict(api_key="sk-2")]
+    salts = [tenant_salt(**t) for t in tenants]
+    assert len(set(salts)) == len(salts)
+    flat = [h for s in salts for h in chain_hashes(prompt, 16, s)]
+    assert len(set(flat)) == len(flat)
+    assert b"sk-1" not in salts[0] and salts[0].endswith(b"salt:x")  # the key is not kept
+    assert tenant_salt(api_key="sk-1", cache_salt="x") == salts[0]  # deterministic
 
 
 def test_incremental_chain_equals_one_shot():

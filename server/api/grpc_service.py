@@ -6,8 +6,8 @@ Wire format: ``sglang.grpc.scheduler.SglangScheduler`` from the pinned PyPI
 only the final ``GenerateComplete``), ``Abort``, ``HealthCheck``, ``GetModelInfo``,
 ``GetServerInfo``, ``GetLoads``, ``GetTokenizer`` (zip bundle of the checkpoint's tokenizer
 files + config.json, sha256 on the last chunk), ``FlushCache`` (drops the prefix cache) and
-``SubscribeKvEvents`` (the prefix cache's stored/removed blocks; FAILED_PRECONDITION when
-prefix caching is off). ``Embed``, ``StartProfile``, ``StopProfile`` and the three LoRA RPCs
+``SubscribeKvEvents`` (the prefix cache's stored/removed blocks, for the admin key only when
+the server has keys; FAILED_PRECONDITION when prefix caching is off). ``Embed``, ``StartProfile``, ``StopProfile`` and the three LoRA RPCs
 answer UNIMPLEMENTED with a message.
 
 Proto3 cannot tell "absent" from zero, so zero means "default" where zero is not a
@@ -64,6 +64,26 @@ class BadRequest(RequestError):
     pass
 
 
+# What one request may ask for. The engine thread checks every stop string and stop id on every
+# generated token, so their number and size bound how long one request can hold up everyone's step.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_REQUEST_ID_CHARS = 256
+MAX_SEED = 2**53  # |seed|: custom_params numbers are doubles, exact up to here
+
+
+def check_request(req: "pb.GenerateRequest", *, dp_size: int) -> None:
+    """Request-level fields ``sampling_from_proto`` does not map; BadRequest for what we refuse."""
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise BadRequest(f"request_id has {len(req.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+    if len(req.token_ids_logprob):
+        raise BadRequest("token_ids_logprob is not supported yet (use return_logprob with top_logprobs_num)")
+    if req.HasField("data_parallel_rank") and not 0 <= req.data_parallel_rank < dp_size:
+        raise BadRequest(f"data_parallel_rank {req.data_parallel_rank} is not in [0, {dp_size}) "
+                         f"(this engine's data-parallel size is {dp_size})")
+
+
 def sampling_from_proto(req: "pb.GenerateRequest", *, max_model_len: int, has_detokenizer: bool) -> SamplingParams:
     """Map a GenerateRequest's sampling options to ours; raise BadRequest for what we refuse."""
     sp = req.sampling_params
@@ -86,6 +106,12 @@ def sampling_from_proto(req: "pb.GenerateRequest", *, max_model_len: int, has_de
             raise BadRequest(f"top_p must be in (0, 1], got {sp.top_p}")
         if sp.top_k < -1:
             raise BadRequest(f"top_k must be -1 (off) or >= 1, got {sp.top_k}")
+        if len(sp.stop) > MAX_STOP_STRINGS:
+            raise BadRequest(f"{len(sp.stop)} stop strings; at most {MAX_STOP_STRINGS}")
+        if any(len(s) > MAX_STOP_CHARS for s in sp.stop):
+            raise BadRequest(f"a stop string has {max(map(len, sp.stop))} characters; at most {MAX_STOP_CHARS}")
+        if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise BadRequest(f"{len(sp.stop_token_ids)} stop_token_ids; at most {MAX_STOP_TOKEN_IDS}")
         if sp.stop and not has_detokenizer:
             raise BadRequest("stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)")
     if sp.HasField("max_new_tokens"):
@@ -115,11 +141,13 @@ def sampling_from_proto(req: "pb.GenerateRequest", *, max_model_len: int, has_de
             raise BadRequest(f"unsupported custom_params {unknown} (supported: seed)")
         raw = extra.get("seed", extra.get("sampling_seed"))
         if raw is not None:
-            if not isinstance(raw, float) or raw != int(raw):
+            if not isinstance(raw, float) or not math.isfinite(raw) or raw != int(raw):
                 raise BadRequest(f"custom_params seed must be an integer, got {raw!r}")
+            if abs(raw) > MAX_SEED:
+                raise BadRequest(f"custom_params seed {raw:.0f} is out of range (|seed| <= 2**53)")
             seed = int(raw)
     try:
-        return SamplingParams(
+        params = SamplingParams(
             max_new_tokens=max_new,
             temperature=float(sp.temperature),
             top_p=float(sp.top_p) if sp.top_p > 0 else 1.0,
@@ -137,6 +165,9 @@ def sampling_from_proto(req: "pb.GenerateRequest", *, max_model_len: int, has_de
         )
     except ValueError as e:
         raise BadRequest(str(e)) from None
+    # the engine only tests membership (per token) and iterates them: a set after validation
+    params.stop_token_ids = frozenset(params.stop_token_ids)
+    return params
 
 
 def _struct(d: dict) -> struct_pb2.Struct:
@@ -196,6 +227,7 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         prefill = self.pd_prefill if dparams is not None else None
         room = None
         try:
+            check_request(request, dp_size=getattr(eng.recipe, "dp", 1) or 1)
             params = sampling_from_proto(request, max_model_len=eng.max_model_len,
                                          has_detokenizer=eng.detokenize is not None)
             md = dict(context.invocation_metadata() or ())
@@ -422,7 +454,9 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
 
     def SubscribeKvEvents(self, request, context):
         """Stream the prefix cache's stored/removed blocks (one block = one prefix-match unit,
-        ``block_hash`` = its chained key) from ``start_sequence_number`` (0 = from now)."""
+        ``block_hash`` = its chained key) from ``start_sequence_number`` (0 = from now). The
+        blocks carry every tenant's token ids (smg's router hashes them to route), so the
+        interceptor answers this RPC only to the admin key (``auth.py``, docs/grpc.md)."""
         loop = self._loop(context)
         if loop.engine.prefix_cache is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prefix caching is off: no KV events")
@@ -496,9 +530,9 @@ class GrpcServer:
 
     def __init__(self, servicer: Servicer, *, host: str = "127.0.0.1", port: int = 50051, max_workers: int = 1032,
                  api_key: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 max_message_bytes: int = 16 << 20):
+                 max_message_bytes: int = 16 << 20, admin_key: str | None = None):
         self.servicer = servicer
-        interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
+        interceptors = [ApiKeyInterceptor(api_key, admin_key)] if api_key or admin_key else []
         opts = [("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes), ("grpc.so_reuseport", 0)]
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="k3-grpc"),

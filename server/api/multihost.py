@@ -56,7 +56,7 @@ def leader_dispatch(args, cluster):
     from ..cluster.leader import LeaderDispatch
     from ..cluster.runtime import accept_followers
 
-    followers = accept_followers(cluster, args.control_host)
+    followers = accept_followers(cluster, args.control_host, secret_file=getattr(args, "cluster_secret_file", None))
     mine = engine_digest(args)
     for pid, sock in followers.items():
         op, got = wire.recv(sock)
@@ -119,7 +119,7 @@ def serve_follower(args, path, cluster) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: os._exit(0))  # the leader notices and stops the deployment
-    sock = connect_to_leader(cluster)
+    sock = connect_to_leader(cluster, secret_file=getattr(args, "cluster_secret_file", None))
     wire.send(sock, "digest", [engine_digest(args)])
     channel = FollowerChannel(sock)
     t = time.perf_counter()

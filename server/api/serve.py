@@ -14,6 +14,7 @@ import time
 from ...demo import model_or_demo
 from ...compile_cache import enable_compile_cache
 from ..cli import prefix_kwargs
+from .auth import ADMIN_KEY_ENV, API_KEY_ENV, load_key
 from .engine_thread import EngineThread
 from .grpc_service import GrpcServer, Servicer
 from .metrics import Metrics
@@ -41,7 +42,10 @@ def serve(args) -> int:
             return serve_follower(args, path, cluster)
     metrics = Metrics()
     servicer = Servicer(model_dir=path, served_model_name=args.served_model_name or path.name, metrics=metrics)
-    server = GrpcServer(servicer, host=args.host, port=args.port, api_key=args.api_key, tls_cert=args.tls_cert,
+    api_key = load_key(args.api_key, getattr(args, "api_key_file", None), API_KEY_ENV)
+    admin_key = load_key(None, getattr(args, "admin_key_file", None), ADMIN_KEY_ENV)
+    server = GrpcServer(servicer, host=args.host, port=args.port, api_key=api_key, admin_key=admin_key,
+                        tls_cert=args.tls_cert,
                         tls_key=args.tls_key, max_message_bytes=args.max_message_mb << 20,
                         max_workers=args.max_concurrent_rpcs + 8)
     stop = threading.Event()

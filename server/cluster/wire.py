@@ -19,6 +19,7 @@ import struct
 import numpy as np
 
 MAX_FRAME = 1 << 30
+HELLO_MAX_FRAME = 4096  # before a peer has proved itself (``hello.py``): a few KB, never a GiB
 _LEN = struct.Struct(">I")
 
 
@@ -95,10 +96,11 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv(sock: socket.socket) -> tuple[str, list]:
+def recv(sock: socket.socket, max_frame: int = MAX_FRAME) -> tuple[str, list]:
     """The next frame's (op, args); raises :class:`ChannelClosed` at the end of the stream,
-    ``socket.timeout`` when the socket's timeout passes first."""
+    ``socket.timeout`` when the socket's timeout passes first, ``ValueError`` for a frame over
+    ``max_frame`` bytes (checked before anything is allocated for it)."""
     (n,) = _LEN.unpack(_read_exact(sock, 4))
-    if n > MAX_FRAME:
-        raise ValueError(f"control frame of {n} bytes exceeds {MAX_FRAME}")
+    if n > max_frame:
+        raise ValueError(f"control frame of {n} bytes exceeds {max_frame}")
     return decode(_read_exact(sock, n))

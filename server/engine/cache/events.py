@@ -8,7 +8,9 @@ keeps the last ``capacity`` batches; a subscriber that asks for older ones gets 
 
 A unit's public block hash is the first 8 bytes of its chained key as a signed int64 (the
 proto's ``block_hash``), so a router sees exactly the cache's prefix identity — tenant salt
-included — and parents before children.
+included — and parents before children. Stored blocks keep their token ids: smg computes
+its own content hash from them to match a request's blocks, so they cannot be dropped or
+replaced by our hashes; who may read them is decided at the gRPC door (``api/auth.py``).
 """
 from __future__ import annotations
 

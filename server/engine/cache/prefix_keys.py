@@ -12,8 +12,8 @@ shared prompt of 1,000 tokens); with 16-token units the cache can use 992 of the
 holding the tail is copied before the new request writes into it. ``page_size`` must be a
 multiple of ``unit`` so a unit never straddles two pages.
 
-Why salted: two tenants (different ``cache_salt`` request fields, or different API keys) must
-never share a page or a state, even for the same prompt. The tenant goes into the root of the
+Why salted: two tenants (different API keys, or different ``cache_salt`` request fields under
+one key) must never share a page or a state, even for the same prompt. The tenant goes into the root of the
 chain, so every key differs; nothing downstream has to remember to compare tenants.
 
 Hash: BLAKE2b with a 16-byte digest over the parent digest and the unit's token ids as
@@ -32,13 +32,17 @@ _DOMAIN = b"k3serve/prefix/v1"
 
 
 def tenant_salt(cache_salt: str | None = None, api_key: str | None = None) -> bytes:
-    """The salt of a request's tenant: its ``cache_salt`` if given, else its API key (hashed, so
-    the key itself is never kept), else the shared empty tenant."""
-    if cache_salt:
-        return b"salt:" + cache_salt.encode("utf-8")
+    """The salt of a request's tenant: H(API key) ‖ ``cache_salt``, either part absent when not
+    given (neither: the shared empty tenant). The key is what the server authenticated; the
+    salt is only what the client says, so it narrows a key's tenant and never replaces it:
+    naming another client's salt under another key shares nothing. The key is hashed, so it
+    is never kept; its digest has a fixed length, so the two parts cannot run into each other."""
+    salt = b""
     if api_key:
-        return b"key:" + hashlib.sha256(api_key.encode("utf-8")).digest()
-    return b""
+        salt += b"key:" + hashlib.sha256(api_key.encode("utf-8")).digest()
+    if cache_salt:
+        salt += b"salt:" + cache_salt.encode("utf-8")
+    return salt
 
 
 def root_hash(salt: bytes = b"") -> bytes:
