@@ -120,9 +120,9 @@ def _check_array(path: Path, what: str, got: dict, shape, dtype, stored_as=None)
     if tuple(got["shape"]) != tuple(shape):
         raise PreshardError(f"{path}: {what} has shape {list(got['shape'])}, the model expects {list(shape)}")
     if np.dtype(got["dtype"]) != np.dtype(dtype):
+        whole = stored_as and np.dtype(stored_as) != np.dtype(dtype) and np.dtype(got["dtype"]) == np.dtype(stored_as)
         hint = (f"; this pre-shard is {stored_as}: load it with dtype {stored_as} (serve --dtype {stored_as})"
-                if stored_as and np.dtype(stored_as) != np.dtype(dtype) and np.dtype(got["dtype"]) == np.dtype(stored_as)
-                else "; pre-shard the checkpoint again")
+                if whole else "; pre-shard the checkpoint again")
         raise PreshardError(f"{path}: {what} is stored as {np.dtype(got['dtype']).name}, the model expects "
                             f"{np.dtype(dtype).name}{hint}")
 

@@ -202,7 +202,8 @@ def test_resume_with_another_dtype_or_source_is_refused(src, tmp_path):
     with pytest.raises(Stop):
         preshard(src, dst, max_memory_gb=0.0005, on_part=stop_at("00000"))
     parts = sorted(os.listdir(dst / PARTS))
-    with pytest.raises(PreshardError, match=r"another run \(dtype 'float32' \(earlier run\) vs 'bfloat16' \(this run\)\)"):
+    with pytest.raises(PreshardError, match=r"another run \(dtype 'float32' \(earlier run\) vs 'bfloat16' "
+                                            r"\(this run\)\)"):
         preshard(src, dst, dtype="bfloat16", max_memory_gb=0.0005)
     assert sorted(os.listdir(dst / PARTS)) == parts
     other = generate_checkpoint(tmp_path / "other", small_config(), seed=8)  # same shapes, other values
