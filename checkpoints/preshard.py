@@ -10,8 +10,14 @@ copy per virtual device), then dropped. Host memory is therefore bounded by one 
 one layer's routed experts, whatever the size of the checkpoint.
 
 An interrupted run resumes: parts on disk are complete (Orbax commits a part by renaming it
-into place), their leaves are skipped and the next part number follows the last. The
+into place), their leaves are skipped and the next part number follows the last. Only the
+same run resumes: every part records its run's identity (``preshard_format.run_identity``:
+dtype, source config and files, layout, versions), and a resume that differs is refused, as
+is a source tensor whose hash differs from the one an earlier part was made from. The
 manifest is written last; until it exists the directory is not a checkpoint a load accepts.
+
+The destination is only ever deleted when it is a pre-shard (``--overwrite``); a folder that
+is something else, or that holds the source, is refused with nothing in it touched.
 """
 from __future__ import annotations
 
@@ -24,8 +30,8 @@ from typing import Callable
 import numpy as np
 
 from .preshard_load import release_freed_memory
-from .preshard_format import (FORMAT, MANIFEST, PARTS, TRANSFORMS_VERSION, PreshardError, digest, is_preshard,
-                              leaf_key, nest, write_json_atomic)
+from .preshard_format import (FORMAT, MANIFEST, PARTS, TRANSFORMS_VERSION, PreshardError, digest, identity_diff,
+                              is_preshard, leaf_key, nest, run_identity, write_json_atomic)
 
 DEFAULT_CHUNK_MB = 32  # storage chunks: a restore on another recipe reads these, not whole saved shards
 
@@ -41,9 +47,34 @@ def _orbax_context(chunk_bytes: int, inflight_bytes: int):
                                                          transfer_concurrent_bytes=inflight_bytes))
 
 
-def _committed_parts(parts_dir: Path) -> tuple[dict, dict, int]:
-    """Leaves and source hashes of the parts an earlier run committed; removes anything else
-    (an interrupted part's temporary folder). Returns (leaves, sources, next part number)."""
+def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+    """Refuse, before anything is written or removed, a ``dst`` that holds the source, that
+    is not a pre-shard and not empty, or that is a complete pre-shard (without ``overwrite``);
+    with ``overwrite``, remove a pre-shard (and only that)."""
+    s, d = src.resolve(), dst.resolve()
+    if s == d or d in s.parents:
+        raise PreshardError(f"{dst}: holds the source {src}; choose a destination outside it (nothing was touched)")
+    if not dst.exists():
+        return
+    if not dst.is_dir():
+        raise PreshardError(f"{dst}: exists and is not a folder (nothing was touched)")
+    if not is_preshard(dst):
+        if any(dst.iterdir()):
+            raise PreshardError(f"{dst}: exists and is not a pre-sharded checkpoint; choose an empty or new folder "
+                                "(nothing in it was touched; --overwrite replaces only a pre-shard)")
+        return
+    if (dst / MANIFEST).exists() and not overwrite:
+        raise PreshardError(f"{dst}: a complete pre-sharded checkpoint is already there (pass --overwrite "
+                            "to replace it)")
+    if overwrite:
+        shutil.rmtree(dst)
+
+
+def _committed_parts(parts_dir: Path, identity: dict) -> tuple[dict, dict, int]:
+    """Leaves and source hashes of the parts an earlier run committed, which must have been
+    written by a run of the same ``identity`` (else :class:`PreshardError`, naming what
+    differs, and nothing is removed); then removes anything else (an interrupted part's
+    temporary folder). Returns (leaves, sources, next part number)."""
     import orbax.checkpoint as ocp
 
     leaves: dict = {}
@@ -51,17 +82,25 @@ def _committed_parts(parts_dir: Path) -> tuple[dict, dict, int]:
     nxt = 0
     if not parts_dir.is_dir():
         return leaves, sources, nxt
-    for p in sorted(parts_dir.iterdir()):
-        if p.name.isdigit() and ocp.v1.is_orbax_checkpoint(p):
-            meta = ocp.v1.pytree_metadata(p).custom_metadata or {}
-            if meta.get("format") != FORMAT:
-                raise PreshardError(f"{p}: a part of format {meta.get('format')!r}, not {FORMAT!r}: "
-                                    "use --overwrite to start over")
-            for k, v in meta["leaves"].items():
-                leaves[k] = dict(v, part=p.name)
-            sources.update(meta.get("sources", {}))
-            nxt = max(nxt, int(p.name) + 1)
-        elif p.is_dir():
+    entries = sorted(parts_dir.iterdir())
+    committed = [p for p in entries if p.name.isdigit() and ocp.v1.is_orbax_checkpoint(p)]
+    for p in committed:
+        meta = ocp.v1.pytree_metadata(p).custom_metadata or {}
+        if meta.get("format") != FORMAT:
+            raise PreshardError(f"{p}: a part of format {meta.get('format')!r}, not {FORMAT!r}: "
+                                "use --overwrite to start over")
+        diff = identity_diff(meta.get("run"), identity)
+        if diff:
+            raise PreshardError(f"{p}: written by another run ({diff}); resume with the same source, --dtype, "
+                                "--recipe and --chunk-mb, or pass --overwrite to start over")
+        for k, v in meta["leaves"].items():
+            leaves[k] = dict(v, part=p.name)
+        sources.update(meta.get("sources", {}))
+        nxt = max(nxt, int(p.name) + 1)
+    for p in entries:
+        if p in committed:
+            continue
+        if p.is_dir():
             shutil.rmtree(p)
         else:
             p.unlink()
@@ -137,14 +176,7 @@ def preshard(src, dst, *, recipe=None, dtype: str = "float32", max_memory_gb: fl
     import orbax.checkpoint as ocp
 
     src, dst = Path(src), Path(dst)
-    if dst.exists():
-        if (dst / MANIFEST).exists() and not overwrite:
-            raise PreshardError(f"{dst}: a complete pre-sharded checkpoint is already there (pass --overwrite "
-                                "to replace it)")
-        if overwrite:
-            shutil.rmtree(dst)
-        elif not is_preshard(dst) and any(dst.iterdir()):
-            raise PreshardError(f"{dst}: exists and is not a pre-sharded checkpoint; choose an empty or new folder")
+    _check_destination(src, dst, overwrite)
     dt = resolve_dtype(dtype)
     with open_checkpoint(src) as ckpt:
         cfg = K3Config.from_dict(ckpt.config).replace(kernels="reference")
@@ -155,10 +187,14 @@ def preshard(src, dst, *, recipe=None, dtype: str = "float32", max_memory_gb: fl
         devs = jax.devices()[: rec.devices if rec else 1]
         place = placement_for(build_mesh(rec, devs)) if rec else (lambda path, shape: SingleDeviceSharding(devs[0]))
         module = nnx.eval_shape(lambda: KimiLM(cfg, dt))
+        files = [{"name": f, "bytes": (ckpt._root / f).stat().st_size} for f in ckpt.files]
+        experts = "mxfp4-packed" if cfg.experts_mxfp4 else "dense"
+        identity = run_identity(dtype=dt.name, config=ckpt.config, source_files=files,
+                                layout=str(rec) if rec else None, experts=experts, chunk_mb=chunk_mb)
 
         parts_dir = dst / PARTS
+        done, sources, number = _committed_parts(parts_dir, identity)
         parts_dir.mkdir(parents=True, exist_ok=True)
-        done, sources, number = _committed_parts(parts_dir)
         resumed = len(done)
         budget = int(max_memory_gb * 2**30)
         bar = _Progress(ckpt.nbytes, progress)
@@ -175,7 +211,7 @@ def preshard(src, dst, *, recipe=None, dtype: str = "float32", max_memory_gb: fl
             name = f"{number:05d}"
             with _orbax_context(chunk_mb * 2**20, max(budget // 4, 1 << 20)):
                 ocp.v1.save_pytree(parts_dir / name, nest(batch), custom_metadata={
-                    "format": FORMAT, "leaves": batch_meta, "sources": batch_sources})
+                    "format": FORMAT, "run": identity, "leaves": batch_meta, "sources": batch_sources})
             for k, v in batch_meta.items():
                 done[k] = dict(v, part=name)
             sources.update(batch_sources)
@@ -210,7 +246,11 @@ def preshard(src, dst, *, recipe=None, dtype: str = "float32", max_memory_gb: fl
         def reader(name):
             def read():
                 a = np.asarray(ckpt.lazy(name))  # the whole tensor, read once: hashed, then converted
-                batch_sources[name] = digest(a)
+                h = digest(a)
+                if sources.get(name, h) != h:  # same files and sizes, other contents
+                    raise PreshardError(f"{src}: tensor {name!r} differs from the one the earlier run pre-sharded "
+                                        f"into {dst}; pass --overwrite to start over")
+                batch_sources[name] = h
                 bar.read(a.nbytes)
                 return a
             return read
@@ -221,7 +261,6 @@ def preshard(src, dst, *, recipe=None, dtype: str = "float32", max_memory_gb: fl
             flush()
         finally:
             bar.close()
-        files = [{"name": f, "bytes": (ckpt._root / f).stat().st_size} for f in ckpt.files]
         source_bytes = ckpt.nbytes
 
     _copy_side_files(src, dst)
@@ -230,7 +269,7 @@ def preshard(src, dst, *, recipe=None, dtype: str = "float32", max_memory_gb: fl
     manifest = {
         "format": FORMAT, "transforms_version": TRANSFORMS_VERSION, "k3serve_version": __version__,
         "config": ckpt.config, "dtype": dt.name,
-        "experts": "mxfp4-packed" if cfg.experts_mxfp4 else "dense",
+        "experts": experts, "run": identity,
         "recipe": rec.describe() if rec else None, "chunk_mb": chunk_mb,
         "source": {"files": files, "bytes": source_bytes, "tensors": dict(sorted(sources.items()))},
         "param_specs": dict(sorted(specs.items())),

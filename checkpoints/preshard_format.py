@@ -15,9 +15,11 @@ the parameter's NNX path with a final ``row_NNN`` for stack rows; in an Orbax tr
 dots become nesting (``ffn.1.experts.w1_packed`` row 3 is ``["ffn"]["1"]["experts"]
 ["w1_packed"]["row_003"]``).
 
-Each part's Orbax ``custom_metadata`` lists its leaves (shape, dtype, sha256 of the bytes)
-and the source tensors it was made from, so an interrupted run resumes from the parts on
-disk and the manifest can be assembled from them.
+Each part's Orbax ``custom_metadata`` lists its leaves (shape, dtype, sha256 of the bytes),
+the source tensors it was made from, and the run that wrote it (``run``: :func:`run_identity`),
+so an interrupted run resumes from the parts on disk, a resume by another run (another dtype,
+source, recipe or version) is refused instead of mixing parts, and the manifest can be
+assembled from them.
 """
 from __future__ import annotations
 
@@ -42,6 +44,36 @@ def is_preshard(path) -> bool:
     """``path`` is a pre-sharded checkpoint directory (complete or not)."""
     p = Path(path)
     return p.is_dir() and ((p / MANIFEST).is_file() or (p / PARTS).is_dir())
+
+
+def run_identity(*, dtype: str, config: dict, source_files: list, layout: str | None, experts: str,
+                 chunk_mb: int) -> dict:
+    """What makes two runs write interchangeable parts: every part records it, a resume must
+    match it, ``verify`` finds a pre-shard whose parts differ in it. The source is named by
+    its config and files (names and sizes); its tensors' hashes are compared one by one as a
+    resume reads them again (``preshard.py``)."""
+    return {"format": FORMAT, "transforms_version": TRANSFORMS_VERSION, "dtype": dtype,
+            "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
+            "source_files": [dict(f) for f in source_files], "layout": layout, "experts": experts,
+            "chunk_mb": chunk_mb}
+
+
+def identity_diff(a: dict | None, b: dict | None, labels=("earlier run", "this run")) -> str:
+    """The fields in which run identities ``a`` and ``b`` differ, for a message ("dtype
+    'float32' (earlier run) vs 'bfloat16' (this run); ..."); empty when equal."""
+    if a == b:
+        return ""
+    if a is None or b is None:
+        return f"no run identity recorded ({labels[0 if a is None else 1]}: written by an older k3serve)"
+    out = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if x != y:
+            if k in ("config_sha256", "source_files"):  # long values: name the field only
+                out.append(f"{k.replace('_sha256', '')} differs")
+            else:
+                out.append(f"{k} {x!r} ({labels[0]}) vs {y!r} ({labels[1]})")
+    return "; ".join(out)
 
 
 def leaf_key(param_path: str, row: int | None) -> str:

@@ -8,6 +8,11 @@ saved shards; under another one Orbax reads the chunks that cover each new shard
 (``chunk_mb`` at save time bounds what is read beyond it). Arrays are read a batch at a
 time (``max_memory_gb``), stack rows written into their stack in place, so the host holds the
 model plus one batch.
+
+Nothing is cast on the way: every array's dtype and shape, as the manifest records it and
+as its part stores it, must be what the model holds (Orbax would convert a bfloat16 array
+into a float32 parameter without a word), and ``verify`` also refuses a pre-shard whose parts
+were written by different runs (``preshard_format.run_identity``).
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .preshard_format import PARTS, PreshardError, digest, nest, read_manifest, split_key, unnest
+from .preshard_format import PARTS, PreshardError, digest, identity_diff, nest, read_manifest, split_key, unnest
 
 
 def release_freed_memory() -> None:
@@ -85,19 +90,10 @@ def _load(path: Path, part: str, part_keys: list, wanted: dict) -> dict:
     raise PreshardError(f"{path}: part {part} cannot be read: {type(first).__name__}: {str(first)[:300]}")
 
 
-def restore_into(module, path, placement=None, *, max_memory_gb: float = 0.5) -> dict:
-    """Fill the (abstract) NNX ``module``'s parameters from the pre-sharded checkpoint at
-    ``path``; ``placement(param_path, shape) -> Sharding`` as for ``load_pretrained`` (None:
-    the default device). Returns load statistics."""
-    import jax
-    from jax.sharding import SingleDeviceSharding
-
-    from ..model.weights import _all_params, _row_sharding, _set_row, _zeros
-
-    path = Path(path)
-    t0 = time.perf_counter()
-    man = read_manifest(path)
-    params = _all_params(module)
+def _check_against_model(path: Path, man: dict, params: dict) -> tuple[dict, bool]:
+    """Every stored array must be one the model holds, of its shape and dtype (a stack row:
+    the stack's shape without the layer axis). Returns ``({param path: stored rows}, tied)``
+    (``tied``: ``lm_head`` is the embedding and not stored)."""
     stored: dict = {}
     for k in man["leaves"]:
         p, row = split_key(k)
@@ -107,6 +103,62 @@ def restore_into(module, path, placement=None, *, max_memory_gb: float = 0.5) ->
     missing, extra = sorted(want - set(stored)), sorted(set(stored) - want)
     if missing or extra:
         raise PreshardError(f"{path}: arrays do not match the model: missing {missing[:8]}, unexpected {extra[:8]}")
+    for p, rows in stored.items():
+        value = params[p].get_value()
+        shape, dtype = tuple(value.shape), np.dtype(value.dtype)
+        if rows != {None} and rows != set(range(shape[0])):
+            raise PreshardError(f"{path}: {p} has rows {sorted(rows)[:8]}..., the model stacks {shape[0]}")
+        for row in sorted(rows, key=lambda r: -1 if r is None else r):
+            k = p if row is None else f"{p}/row_{row:03d}"
+            _check_array(path, f"array {k!r}", man["leaves"][k], shape if row is None else shape[1:], dtype,
+                         man.get("dtype"))
+    return stored, tied
+
+
+def _check_array(path: Path, what: str, got: dict, shape, dtype, stored_as=None) -> None:
+    """``got`` ({"shape", "dtype"}) is ``shape`` and ``dtype``, or a :class:`PreshardError`."""
+    if tuple(got["shape"]) != tuple(shape):
+        raise PreshardError(f"{path}: {what} has shape {list(got['shape'])}, the model expects {list(shape)}")
+    if np.dtype(got["dtype"]) != np.dtype(dtype):
+        whole = stored_as and np.dtype(stored_as) != np.dtype(dtype) and np.dtype(got["dtype"]) == np.dtype(stored_as)
+        hint = (f"; this pre-shard is {stored_as}: load it with dtype {stored_as} (serve --dtype {stored_as})"
+                if whole else "; pre-shard the checkpoint again")
+        raise PreshardError(f"{path}: {what} is stored as {np.dtype(got['dtype']).name}, the model expects "
+                            f"{np.dtype(dtype).name}{hint}")
+
+
+def _part_metadata(path: Path, part: str):
+    """(the arrays Orbax stored in ``part``, as a nested dict of ArrayMetadata; the part's
+    custom metadata)."""
+    import orbax.checkpoint as ocp
+
+    m = ocp.v1.pytree_metadata(path / PARTS / part)
+    return m.metadata, (m.custom_metadata or {})
+
+
+def _check_stored(path: Path, part: str, stored_tree, want: dict) -> None:
+    """What ``part`` really holds (Orbax's own metadata, not the manifest) is what ``want``
+    ({key: ShapeDtypeStruct}) asks for: a part rewritten in another dtype is refused."""
+    for k, meta in unnest(stored_tree, sorted(want)).items():
+        _check_array(path, f"array {k!r} (part {part})", {"shape": meta.shape, "dtype": meta.dtype},
+                     want[k].shape, want[k].dtype)
+
+
+def restore_into(module, path, placement=None, *, max_memory_gb: float = 0.5) -> dict:
+    """Fill the (abstract) NNX ``module``'s parameters from the pre-sharded checkpoint at
+    ``path``; ``placement(param_path, shape) -> Sharding`` as for ``load_pretrained`` (None:
+    the default device). Every array must be stored in the shape and dtype the module holds
+    (nothing is cast). Returns load statistics."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    from ..model.weights import _all_params, _row_sharding, _set_row, _zeros
+
+    path = Path(path)
+    t0 = time.perf_counter()
+    man = read_manifest(path)
+    params = _all_params(module)
+    stored, tied = _check_against_model(path, man, params)
     default = SingleDeviceSharding(jax.devices()[0])
     shardings, abstract = {}, {}
     for p, rows in stored.items():
@@ -114,23 +166,20 @@ def restore_into(module, path, placement=None, *, max_memory_gb: float = 0.5) ->
         shape, dtype = tuple(var.get_value().shape), var.get_value().dtype
         sharding = (placement(p, shape) if placement is not None else None) or default
         shardings[p] = sharding
-        stacked = rows != {None}
-        if stacked and rows != set(range(shape[0])):
-            raise PreshardError(f"{path}: {p} has rows {sorted(rows)[:8]}..., the model stacks {shape[0]}")
         for row in rows:
             k = p if row is None else f"{p}/row_{row:03d}"
-            meta = man["leaves"][k]
-            want_shape = shape if row is None else shape[1:]
-            if tuple(meta["shape"]) != tuple(want_shape):
-                raise PreshardError(f"{path}: array {k!r} has shape {meta['shape']}, the model expects "
-                                    f"{list(want_shape)}")
-            abstract[k] = jax.ShapeDtypeStruct(want_shape, dtype,
+            abstract[k] = jax.ShapeDtypeStruct(shape if row is None else shape[1:], dtype,
                                                sharding=sharding if row is None else _row_sharding(sharding))
-        if stacked:
+        if rows != {None}:
             var.set_value(_zeros(shape, dtype, sharding))
     nbytes = 0
+    seen: dict = {}
     for part, keys, part_keys in _batches(man, sorted(abstract), int(max_memory_gb * 2**30)):
-        got = _load(path, part, part_keys, {k: abstract[k] for k in keys})
+        if part not in seen:
+            seen = {part: _part_metadata(path, part)[0]}
+        want = {k: abstract[k] for k in keys}
+        _check_stored(path, part, seen[part], want)
+        got = _load(path, part, part_keys, want)
         for k in keys:
             p, row = split_key(k)
             arr = got[k]
@@ -147,23 +196,54 @@ def restore_into(module, path, placement=None, *, max_memory_gb: float = 0.5) ->
     return {"bytes_read": nbytes, "checkpoint_bytes": total, "seconds": time.perf_counter() - t0, "manifest": man}
 
 
+def check_one_run(path, man: dict) -> int:
+    """Every part was written by the run the manifest records (``run``), or, for a pre-shard
+    of an older k3serve without one, all parts by the same run; else a
+    :class:`PreshardError` naming the part and what differs. Returns the number of parts."""
+    path = Path(path)
+    parts = sorted({m["part"] for m in man["leaves"].values()})
+    ref, ref_name = man.get("run"), "the manifest"
+    for i, part in enumerate(parts):
+        run = _part_metadata(path, part)[1].get("run")
+        if i == 0 and "run" not in man:
+            ref, ref_name = run, f"part {part}"
+            continue
+        diff = identity_diff(run, ref, labels=(f"part {part}", ref_name))
+        if diff:
+            raise PreshardError(f"{path}: a mixed pre-shard: part {part} was written by another run than "
+                                f"{ref_name} ({diff}); pre-shard the checkpoint again")
+    return len(parts)
+
+
 def verify(path, source=None, *, max_memory_gb: float = 2.0, logits_prompt=(1, 2, 3, 4, 5, 6, 7, 8)) -> dict:
-    """Check a pre-sharded checkpoint: every array's shape, dtype and sha256 against the
-    manifest (read onto one device, a batch at a time). With ``source`` (the safetensors
+    """Check a pre-sharded checkpoint: every part written by one run (:func:`check_one_run`),
+    every array's shape and dtype what the model holds, and its sha256 the manifest's (read
+    onto one device, a batch at a time). With ``source`` (the safetensors
     directory it came from): the source's tensor hashes too, and the logits of a short
     prompt from both (they must be equal). Raises :class:`PreshardError` naming the first
     array that differs; returns a summary."""
     import jax
     from jax.sharding import SingleDeviceSharding
 
+    from flax import nnx
+
+    from ..model.config import K3Config
+    from ..model.k3 import KimiLM
+    from ..model.pretrained import resolve_dtype
+    from ..model.weights import _all_params
+
     path = Path(path)
     man = read_manifest(path)
-    dev = SingleDeviceSharding(jax.devices()[0])
     t0 = time.perf_counter()
+    parts = check_one_run(path, man)
+    cfg = K3Config.from_dict(man["config"]).replace(kernels="reference")
+    _check_against_model(path, man, _all_params(nnx.eval_shape(lambda: KimiLM(cfg, resolve_dtype(man["dtype"])))))
+    dev = SingleDeviceSharding(jax.devices()[0])
     checked = nbytes = 0
     for part, keys, part_keys in _batches(man, sorted(man["leaves"]), int(max_memory_gb * 2**30)):
         want = {k: jax.ShapeDtypeStruct(tuple(man["leaves"][k]["shape"]), np.dtype(man["leaves"][k]["dtype"]),
                                         sharding=dev) for k in keys}
+        _check_stored(path, part, _part_metadata(path, part)[0], want)
         got = _load(path, part, part_keys, want)
         for k in keys:
             a = np.asarray(got[k])
@@ -173,7 +253,7 @@ def verify(path, source=None, *, max_memory_gb: float = 2.0, logits_prompt=(1, 2
             checked += 1
             nbytes += a.nbytes
         del got
-    out = {"arrays": checked, "bytes": nbytes, "seconds": round(time.perf_counter() - t0, 3)}
+    out = {"arrays": checked, "parts": parts, "bytes": nbytes, "seconds": round(time.perf_counter() - t0, 3)}
     if source is not None:
         from ..model import load_pretrained
         from .safetensors_io import open_checkpoint

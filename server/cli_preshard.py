@@ -29,7 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-memory-gb", type=float, default=4.0,
                    help="host memory for arrays in flight (parts are a quarter of it)")
     p.add_argument("--chunk-mb", type=int, default=32, help="storage chunk size (what another recipe reads)")
-    p.add_argument("--overwrite", action="store_true", help="replace a complete checkpoint at DST")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a pre-sharded checkpoint at DST (only that: any other folder, or one holding SRC, "
+                   "is refused untouched)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     return p
@@ -37,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _verify_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3serve preshard verify",
-                                description="check a pre-sharded checkpoint against its manifest")
+                                description="check a pre-sharded checkpoint against its manifest (hashes, dtypes, "
+                                            "one run)")
     p.add_argument("dst")
     p.add_argument("--source", default=None,
                    help="the safetensors checkpoint it came from: compare tensor hashes and logits too")
@@ -69,7 +72,8 @@ def main(argv: list[str]) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 1
         print(json.dumps(out) if args.json else
-              f"ok: {out['arrays']} arrays, {out['bytes'] / 2**20:.1f} MiB match their hashes"
+              f"ok: {out['arrays']} arrays in {out['parts']} parts of one run, {out['bytes'] / 2**20:.1f} MiB match "
+              "their hashes"
               + (f"; {out['source_tensors']} source tensors match, logits equal" if "logits_gap" in out else ""))
         return 0
     args = _parser().parse_args(argv)

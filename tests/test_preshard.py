@@ -7,7 +7,10 @@ other way round. Every parameter must be bit-identical to a safetensors load pla
 same recipe, with the same sharding, and greedy tokens must be equal. The rest runs here on
 one device: resume after an interruption, refusing a complete destination, a corrupted or
 truncated part named by its array, a format from another version, a recipe that does not
-fit, the CLI, ``LLM`` on a pre-sharded checkpoint."""
+fit, the CLI, ``LLM`` on a pre-sharded checkpoint. Issue #32: ``--overwrite`` removes only a
+pre-shard (never a folder that holds the source or anything else), a resume by another run
+(dtype, recipe, source) is refused, and a part stored in another dtype than the model holds
+is refused at restore and by ``verify``."""
 from __future__ import annotations
 
 import json
@@ -150,6 +153,65 @@ def test_a_complete_destination_is_refused_unless_overwrite(src, tmp_path):
     assert (other / "notes.txt").read_text() == "mine"
 
 
+def test_overwrite_refuses_a_folder_that_is_not_a_preshard(src, tmp_path):
+    from k3serve.checkpoints.preshard import preshard
+    from k3serve.checkpoints.preshard_format import PreshardError
+
+    other = tmp_path / "other"
+    (other / "sub").mkdir(parents=True)
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(PreshardError, match="not a pre-sharded checkpoint.*nothing in it was touched"):
+        preshard(src, other, overwrite=True)
+    assert sorted(os.listdir(other)) == ["notes.txt", "sub"] and (other / "notes.txt").read_text() == "mine"
+
+
+def test_a_destination_holding_the_source_is_refused(src, tmp_path):
+    from k3serve.checkpoints.preshard import preshard
+    from k3serve.checkpoints.preshard_format import PARTS, PreshardError
+
+    root = tmp_path / "root"
+    shutil.copytree(src, root / "ckpt")
+    (root / PARTS).mkdir()  # looks like an unfinished pre-shard: --overwrite would otherwise remove it all
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    for dst in (root, root / "ckpt"):
+        with pytest.raises(PreshardError, match="holds the source"):
+            preshard(root / "ckpt", dst, overwrite=True)
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before
+
+
+class Stop(Exception):
+    pass
+
+
+def stop_at(part):
+    def on_part(name):
+        if name == part:
+            raise Stop
+    return on_part
+
+
+def test_resume_with_another_dtype_or_source_is_refused(src, tmp_path):
+    """An interrupted float32 run resumed in bfloat16, or from a checkpoint with the same
+    files and sizes but other values: refused, naming what differs; the parts stay as they
+    were. (Another recipe: ``test_cli_preshard_verify_and_refusal``.)"""
+    from k3serve.checkpoints.preshard import preshard
+    from k3serve.checkpoints.preshard_format import PARTS, PreshardError
+    from k3serve.checkpoints.synthetic import generate_checkpoint
+
+    dst = tmp_path / "dst"
+    with pytest.raises(Stop):
+        preshard(src, dst, max_memory_gb=0.0005, on_part=stop_at("00000"))
+    parts = sorted(os.listdir(dst / PARTS))
+    with pytest.raises(PreshardError, match=r"another run \(dtype 'float32' \(earlier run\) vs 'bfloat16' "
+                                            r"\(this run\)\)"):
+        preshard(src, dst, dtype="bfloat16", max_memory_gb=0.0005)
+    assert sorted(os.listdir(dst / PARTS)) == parts
+    other = generate_checkpoint(tmp_path / "other", small_config(), seed=8)  # same shapes, other values
+    with pytest.raises(PreshardError, match=r"tensor '[^']+' differs from the one the earlier run pre-sharded"):
+        preshard(other, dst, max_memory_gb=0.0005)
+    assert sorted(os.listdir(dst / PARTS)) == parts
+
+
 @pytest.fixture(scope="module")
 def one(src, tmp_path_factory):
     from k3serve.checkpoints.preshard import preshard
@@ -199,6 +261,63 @@ def test_a_truncated_part_is_named_by_its_array(one, tmp_path):
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
     with pytest.raises(PreshardError, match=r"array '[^']+' \(part \d+\)"):
         load_pretrained(bad)
+
+
+def rewrite_part(path, part, cast=None, run=None):
+    """Save ``part`` of the pre-shard at ``path`` again, its floating arrays cast to ``cast``
+    and/or its recorded run identity replaced (by hand, as a mixed resume would have)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from k3serve.checkpoints.preshard_format import PARTS
+
+    where = path / PARTS / part
+    meta = ocp.v1.pytree_metadata(where).custom_metadata
+    tree = jax.tree.map(np.asarray, ocp.v1.load_pytree(where))
+    if cast is not None:
+        tree = jax.tree.map(lambda a: a.astype(cast) if np.issubdtype(a.dtype, np.floating) else a, tree)
+    if run is not None:
+        meta = dict(meta, run=run)
+    shutil.rmtree(where)
+    ocp.v1.save_pytree(where, tree, custom_metadata=meta)
+
+
+def test_a_part_stored_in_another_dtype_is_refused_at_restore(one, tmp_path):
+    """A float32 pre-shard whose first part holds bfloat16 arrays: the restore names the array
+    and both dtypes (Orbax alone would cast them to float32 without a word), whether the
+    manifest still says float32 or records the part's bfloat16; ``verify`` refuses it too."""
+    import ml_dtypes
+
+    from k3serve.checkpoints.preshard_format import MANIFEST, PreshardError
+    from k3serve.checkpoints.preshard_load import verify
+    from k3serve.model import load_pretrained
+
+    bad = copy_of(one, tmp_path)
+    rewrite_part(bad, "00000", cast=ml_dtypes.bfloat16)
+    msg = r"array '[^']+' (\(part 00000\) )?is stored as bfloat16, the model expects float32"
+    with pytest.raises(PreshardError, match=msg):
+        load_pretrained(bad)
+    with pytest.raises(PreshardError, match=msg):
+        verify(bad)
+    man = json.loads((bad / MANIFEST).read_text())
+    for v in man["leaves"].values():
+        if v["part"] == "00000" and v["dtype"] == "float32":
+            v["dtype"] = "bfloat16"
+    (bad / MANIFEST).write_text(json.dumps(man))
+    with pytest.raises(PreshardError, match=msg):
+        load_pretrained(bad)
+
+
+def test_verify_reports_a_mixed_preshard(one, tmp_path):
+    from k3serve.checkpoints.preshard_format import MANIFEST, PreshardError
+    from k3serve.checkpoints.preshard_load import verify
+
+    bad = copy_of(one, tmp_path)
+    run = json.loads((bad / MANIFEST).read_text())["run"]
+    rewrite_part(bad, "00001", run=dict(run, dtype="bfloat16"))
+    with pytest.raises(PreshardError, match=r"mixed pre-shard: part 00001 .*dtype 'bfloat16' \(part 00001\) vs "
+                                            r"'float32' \(the manifest\)"):
+        verify(bad)
 
 
 def test_another_format_version_is_refused(one, tmp_path):
@@ -253,3 +372,11 @@ def test_cli_preshard_verify_and_refusal(src, tmp_path):
     assert r.returncode == 1 and "--overwrite" in r.stderr
     r = run("preshard", "verify", str(dst), "--json")
     assert r.returncode == 0 and json.loads(r.stdout.strip().splitlines()[-1])["arrays"] == out["arrays"], r.stderr
+    from k3serve.checkpoints.preshard import preshard  # resuming it on one device: another recipe
+    from k3serve.checkpoints.preshard_format import MANIFEST, PARTS, PreshardError
+
+    (dst / MANIFEST).unlink()  # as if interrupted before the manifest
+    parts = sorted(os.listdir(dst / PARTS))
+    with pytest.raises(PreshardError, match=r"another run \(layout 'ep=2,tp=1' \(earlier run\) vs None"):
+        preshard(src, dst)
+    assert sorted(os.listdir(dst / PARTS)) == parts

@@ -3,9 +3,12 @@
 The leader (process 0) is the usual serving process (``serve.py``) whose engine dispatches
 through ``cluster.leader.LeaderDispatch``; a follower loads its shards, builds the same
 engine, and runs ``cluster.follower.run_follower`` until the leader says stop. What every
-process must agree on — the engine's flags — is checked when a follower says hello: a
-follower started with other flags would build other programs and hang the first
-collective, so the leader refuses to start instead.
+process must agree on — the engine's flags and the model's weights — is checked when a
+follower says hello: a follower started with other flags would build other programs and
+hang the first collective, one started on another checkpoint (or another copy at the same
+path) would serve wrong logits, so the leader refuses to start instead, saying which of the
+two differs (the weights by ``checkpoints.fingerprint``: config, weight files and samples
+of their bytes, or a pre-shard's array hashes).
 
 Exits: SIGTERM to the leader drains, stops every follower (they answer "bye" and exit 0),
 and exits 0. A lost follower fails every request with UNAVAILABLE, turns health
@@ -30,10 +33,35 @@ ENGINE_FLAGS = ("recipe", "dtype", "dequantize_experts", "kernels", "max_num_seq
                 "no_prefix_output_end", "prefix_snapshots", "prefix_cache_gb")
 
 
-def engine_digest(args) -> str:
-    """A short hash of the engine-shaping flags (:data:`ENGINE_FLAGS`)."""
+def engine_digest(args, path=None) -> str:
+    """What every process must share, as ``"flags=<hash> model=<hash>"``: a short hash of the
+    engine-shaping flags (:data:`ENGINE_FLAGS`) and of the model's weights at ``path``
+    (default ``--model``, or the embedded demo; ``checkpoints.fingerprint.model_digest``)."""
+    from ...checkpoints.fingerprint import model_digest
+    from ...checkpoints.synthetic import model_or_demo
+
     d = {k: getattr(args, k, None) for k in ENGINE_FLAGS}
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+    flags = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+    model = model_digest(path if path is not None else model_or_demo(getattr(args, "model", None)))
+    return f"flags={flags} model={model}"
+
+
+def check_digest(pid: int, op: str, got, mine: str) -> None:
+    """A follower's hello digest (``op``, ``got``) must equal the leader's (``mine``), else a
+    ValueError that says what differs: the model (another checkpoint) or the flags."""
+    if op == "digest" and got == [mine]:
+        return
+    if op != "digest" or len(got) != 1:
+        raise ValueError(f"process {pid} sent {op!r} {str(got)[:200]} instead of its engine digest")
+    theirs = dict(x.split("=", 1) for x in str(got[0]).split() if "=" in x)
+    ours = dict(x.split("=", 1) for x in mine.split())
+    what = []
+    if theirs.get("model") != ours["model"]:
+        what.append("another model (its config or weights differ from the leader's: every process must load "
+                    "the same checkpoint)")
+    if theirs.get("flags") != ours["flags"]:
+        what.append(f"other engine flags (every process needs the same {', '.join(ENGINE_FLAGS)})")
+    raise ValueError(f"process {pid} was started with {' and '.join(what)}; digest {got} != {[mine]}")
 
 
 def join(args):
@@ -60,11 +88,12 @@ def leader_dispatch(args, cluster):
     mine = engine_digest(args)
     for pid, sock in followers.items():
         op, got = wire.recv(sock)
-        if op != "digest" or got != [mine]:
+        try:
+            check_digest(pid, op, got, mine)
+        except ValueError:
             for s in followers.values():
                 s.close()
-            raise ValueError(f"process {pid} was started with other engine flags than the leader "
-                             f"(digest {got} != {mine}); every process needs the same {', '.join(ENGINE_FLAGS)}")
+            raise
         sock.settimeout(None)
     print(f"k3serve: {len(followers)} follower(s) connected", flush=True)
     return LeaderDispatch(followers, timeout_s=args.heartbeat_timeout)
