@@ -1,5 +1,5 @@
 """Reading a pre-sharded checkpoint (``preshard_format.py``): restore straight into a
-model's parameter shardings, and verify what is on disk.
+model's parameter shardings (``preshard_verify.py`` checks what is on disk).
 
 A restore asks Orbax for each array with the sharding the serving recipe gives it
 (``placement``), so each device receives only its slice, and a process only reads what its
@@ -11,7 +11,7 @@ model plus one batch.
 
 Nothing is cast on the way: every array's dtype and shape, as the manifest records it and
 as its part stores it, must be what the model holds (Orbax would convert a bfloat16 array
-into a float32 parameter without a word), and ``verify`` also refuses a pre-shard whose parts
+into a float32 parameter without a word), and ``preshard_verify.verify`` also refuses a pre-shard whose parts
 were written by different runs (``preshard_format.run_identity``).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .preshard_format import PARTS, PreshardError, digest, identity_diff, nest, read_manifest, split_key, unnest
+from .preshard_format import PARTS, PreshardError, identity_diff, nest, read_manifest, split_key, unnest
 
 
 def release_freed_memory() -> None:
@@ -213,62 +213,3 @@ def check_one_run(path, man: dict) -> int:
             raise PreshardError(f"{path}: a mixed pre-shard: part {part} was written by another run than "
                                 f"{ref_name} ({diff}); pre-shard the checkpoint again")
     return len(parts)
-
-
-def verify(path, source=None, *, max_memory_gb: float = 2.0, logits_prompt=(1, 2, 3, 4, 5, 6, 7, 8)) -> dict:
-    """Check a pre-sharded checkpoint: every part written by one run (:func:`check_one_run`),
-    every array's shape and dtype what the model holds, and its sha256 the manifest's (read
-    onto one device, a batch at a time). With ``source`` (the safetensors
-    directory it came from): the source's tensor hashes too, and the logits of a short
-    prompt from both (they must be equal). Raises :class:`PreshardError` naming the first
-    array that differs; returns a summary."""
-    import jax
-    from jax.sharding import SingleDeviceSharding
-
-    from flax import nnx
-
-    from ..model.config import K3Config
-    from ..model.k3 import KimiLM
-    from ..model.pretrained import resolve_dtype
-    from ..model.weights import _all_params
-
-    path = Path(path)
-    man = read_manifest(path)
-    t0 = time.perf_counter()
-    parts = check_one_run(path, man)
-    cfg = K3Config.from_dict(man["config"]).replace(kernels="reference")
-    _check_against_model(path, man, _all_params(nnx.eval_shape(lambda: KimiLM(cfg, resolve_dtype(man["dtype"])))))
-    dev = SingleDeviceSharding(jax.devices()[0])
-    checked = nbytes = 0
-    for part, keys, part_keys in _batches(man, sorted(man["leaves"]), int(max_memory_gb * 2**30)):
-        want = {k: jax.ShapeDtypeStruct(tuple(man["leaves"][k]["shape"]), np.dtype(man["leaves"][k]["dtype"]),
-                                        sharding=dev) for k in keys}
-        _check_stored(path, part, _part_metadata(path, part)[0], want)
-        got = _load(path, part, part_keys, want)
-        for k in keys:
-            a = np.asarray(got[k])
-            if digest(a) != man["leaves"][k]["sha256"]:
-                raise PreshardError(f"{path}: array {k!r} (part {part}) does not match its recorded hash: the "
-                                    "checkpoint is corrupted")
-            checked += 1
-            nbytes += a.nbytes
-        del got
-    out = {"arrays": checked, "parts": parts, "bytes": nbytes, "seconds": round(time.perf_counter() - t0, 3)}
-    if source is not None:
-        from ..model import load_pretrained
-        from .safetensors_io import open_checkpoint
-
-        with open_checkpoint(source) as ckpt:
-            for name in ckpt.keys():
-                rec = man["source"]["tensors"].get(name)
-                if rec is None:
-                    raise PreshardError(f"{source}: tensor {name!r} is not in the pre-shard's source record")
-                if digest(np.asarray(ckpt.lazy(name))) != rec:
-                    raise PreshardError(f"{source}: tensor {name!r} differs from the one pre-sharded")
-        a = load_pretrained(path, dtype=man["dtype"]).logits(list(logits_prompt))
-        b = load_pretrained(source, dtype=man["dtype"]).logits(list(logits_prompt))
-        gap = float(np.max(np.abs(a - b)))
-        if gap != 0.0:
-            raise PreshardError(f"{path}: logits differ from the source's by up to {gap:.3g}")
-        out.update(source_tensors=len(man["source"]["tensors"]), logits_gap=gap)
-    return out

@@ -1,7 +1,8 @@
-"""The public Python API: load a checkpoint directory, run prefill logits, greedy decode.
+"""A loaded model as a pure jitted step: prefill logits, greedy decode, the engine's step.
 
-``load_pretrained`` is the one place model/ reaches for file reading (checkpoints/'s
-safetensors reader); everything about names and shapes stays in ``weights.py``.
+The model reads no files: ``k3serve.checkpoints.load_pretrained`` builds a ``KimiModel``
+from a checkpoint directory or a pre-shard (docs/layout.md); everything about weight names
+and shapes stays in ``weights.py``.
 
 ``KimiModel`` wraps the NNX module as a pure jitted step over explicit caches:
 ``step(params, cache, batch) -> (logits, cache)`` with the cache donated. ``logits`` and
@@ -11,7 +12,6 @@ compiles once per bucket, not once per length.
 """
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import jax
@@ -22,7 +22,6 @@ from flax import nnx
 from .cache import Cache, StepBatch, allocate_cache, make_batch
 from .config import K3Config
 from .k3 import KimiLM
-from .weights import load_weights
 
 _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
@@ -127,7 +126,7 @@ def default_kernels() -> str:
     return "pallas" if jax.default_backend() == "tpu" else "reference"
 
 
-def _repack_experts(module) -> None:
+def repack_experts_for_kernels(module) -> None:
     """MXFP4 experts' bytes in the grouped-matmul kernel's nibble order (lossless, once)."""
     from ..kernels.ops import repack_experts
     from .moe import Experts
@@ -137,59 +136,3 @@ def _repack_experts(module) -> None:
             for name in ("w1", "w2", "w3"):
                 var = getattr(node, name + "_packed")
                 var.set_value(repack_experts(var.get_value()))
-
-
-def load_pretrained(path: str | os.PathLike, dtype="float32", *, dequantize_experts: bool = False,
-                    page_size: int = 16, placement=None, kernels: str | None = None) -> KimiModel:
-    """Load a Hugging Face K3 or Kimi Linear checkpoint directory (chosen by config.json), or
-    a pre-sharded one (``k3serve preshard``), restored straight into ``placement``'s shardings.
-
-    ``placement(param_path, shape) -> Sharding | None`` (e.g. ``sharding.mesh.placement_for``)
-    loads each parameter straight into its shards: every device receives only its slice.
-    ``kernels``: the ops' backend, "reference", "pallas" or "pallas-interpret" (default
-    :func:`default_kernels`); a Pallas backend repacks MXFP4 experts for its kernel at load."""
-    from ..checkpoints.preshard_format import is_preshard
-    from ..checkpoints.safetensors_io import open_checkpoint  # the file readers live in checkpoints/
-
-    dt = resolve_dtype(dtype)
-    if is_preshard(path):
-        return _load_preshard(path, dt, dequantize_experts, page_size, placement, kernels)
-    with open_checkpoint(path) as ckpt:
-        cfg = K3Config.from_dict(ckpt.config)
-        model_cfg = cfg.replace(experts_mxfp4=False) if (dequantize_experts and cfg.experts_mxfp4) else cfg
-        model_cfg = model_cfg.replace(kernels=kernels or default_kernels())
-        module = nnx.eval_shape(lambda: KimiLM(model_cfg, dt))
-        # placed: tensors are read lazily, each device reading only its own slice
-        read = ckpt.lazy if placement is not None else ckpt.get
-        tensors = ((n, (lambda n=n: read(n)), ckpt.shape(n)) for n in ckpt.keys())
-        load_weights(module, model_cfg, tensors, ckpt_cfg=cfg, dequantize_experts=dequantize_experts,
-                     source=str(path), placement=placement)
-        if model_cfg.kernels != "reference" and model_cfg.experts_mxfp4:
-            _repack_experts(module)
-        total = ckpt.nbytes
-        read_bytes = ckpt.bytes_read if placement is not None else total
-    model = KimiModel(module, model_cfg, dt, page_size=page_size)
-    model.load_stats = {"bytes_read": read_bytes, "checkpoint_bytes": total}  # a placed load reads its slices
-    return model
-
-
-def _load_preshard(path, dt, dequantize_experts: bool, page_size: int, placement, kernels) -> KimiModel:
-    """``load_pretrained`` of a pre-sharded checkpoint: the arrays are stored as the model
-    holds them, so they are read into their shardings and nothing is converted."""
-    from ..checkpoints.preshard_format import PreshardError, read_manifest
-    from ..checkpoints.preshard_load import restore_into
-
-    man = read_manifest(path)
-    cfg = K3Config.from_dict(man["config"])
-    if dequantize_experts and cfg.experts_mxfp4:
-        raise PreshardError(f"{path}: pre-sharded with MXFP4 experts; dequantize-at-load needs the safetensors "
-                            "checkpoint")
-    model_cfg = cfg.replace(kernels=kernels or default_kernels())
-    module = nnx.eval_shape(lambda: KimiLM(model_cfg, dt))
-    stats = restore_into(module, path, placement)
-    if model_cfg.kernels != "reference" and model_cfg.experts_mxfp4:
-        _repack_experts(module)
-    model = KimiModel(module, model_cfg, dt, page_size=page_size)
-    model.load_stats = {"bytes_read": stats["bytes_read"], "checkpoint_bytes": stats["checkpoint_bytes"],
-                        "seconds": stats["seconds"]}
-    return model

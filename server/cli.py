@@ -95,7 +95,7 @@ def cmd_generate(args) -> int:
     from ..compile_cache import enable_compile_cache
 
     enable_compile_cache()
-    from ..model import load_pretrained
+    from ..checkpoints import load_pretrained
 
     path = _model_dir(args)
     t0 = time.perf_counter()

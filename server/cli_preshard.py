@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
 
     if argv and argv[0] == "verify":
         args = _verify_parser().parse_args(argv[1:])
-        from ..checkpoints.preshard_load import verify
+        from ..checkpoints.preshard_verify import verify
 
         try:
             out = verify(args.dst, args.source, max_memory_gb=args.max_memory_gb)

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from k3serve.checkpoints.synthetic import generate_checkpoint, k3_config
-from k3serve.model import load_pretrained
+from k3serve.checkpoints import load_pretrained
 from k3serve.server.engine.llm import LLM
 from k3serve.server.engine.sampling_params import SamplingParams
 from k3serve.sharding.mesh import build_mesh

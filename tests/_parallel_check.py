@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3serve.model import load_pretrained
+from k3serve.checkpoints import load_pretrained
 from k3serve.model.cache import Cache, allocate_cache, make_batch
 from k3serve.server.engine.cache import CacheManager, plan_capacity
 from k3serve.sharding.mesh import build_mesh, shard_params

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _util import assert_all_free, run_to_end  # noqa: E402
 
 from k3serve.checkpoints.synthetic import generate_checkpoint, k3_config  # noqa: E402
-from k3serve.model import load_pretrained  # noqa: E402
+from k3serve.checkpoints import load_pretrained  # noqa: E402
 from k3serve.server.engine.cache.deal import cut_pieces  # noqa: E402
 from k3serve.server.engine.engine import Engine  # noqa: E402
 from k3serve.server.engine.handoff import Handoff  # noqa: E402

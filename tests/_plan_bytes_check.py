@@ -9,7 +9,8 @@ import sys
 import jax
 
 from k3serve.checkpoints.config_of import checkpoint_config
-from k3serve.model import K3Config, load_pretrained
+from k3serve.checkpoints import load_pretrained
+from k3serve.model import K3Config
 from k3serve.server.engine.llm import recipe_placement
 from k3serve.sharding.memory import param_inventory, weights_per_device
 from k3serve.sharding.recipe import Recipe

@@ -16,7 +16,7 @@ import numpy as np
 
 from k3serve.checkpoints.preshard import preshard
 from k3serve.checkpoints.preshard_format import read_manifest
-from k3serve.model import load_pretrained
+from k3serve.checkpoints import load_pretrained
 from k3serve.server.engine.llm import recipe_placement
 
 PROMPT = [5, 17, 99, 3, 200, 41, 7]

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=pid)
 
-from k3serve.model import load_pretrained  # noqa: E402
+from k3serve.checkpoints import load_pretrained  # noqa: E402
 from k3serve.server.engine.llm import recipe_placement  # noqa: E402
 
 

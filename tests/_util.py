@@ -14,7 +14,7 @@ _models: dict = {}
 
 
 def load_case(case: str, dtype: str = "float32"):
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
 
     key = (case, dtype)
     if key not in _models:

@@ -51,7 +51,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(ckpt):
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
 
     return load_pretrained(ckpt, dtype="float32")
 

@@ -29,7 +29,7 @@ def test_model_reproduces_the_golden_logits(case):
     """A prefill and a cached decode step (each program compiled once) give the golden greedy
     tokens and decode logits within 1e-4."""
     from _util import DATA, golden, rel_err
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
 
     g = golden(case)
     m = load_pretrained(DATA / case, kernels="pallas-interpret")
@@ -41,7 +41,7 @@ def test_model_reproduces_the_golden_logits(case):
 
 @pytest.mark.slow
 def test_multi_turn_with_prefix_caching_matches_the_reference(tmp_path):
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
 
     ckpt = tiny_text_checkpoint(tmp_path)
     ref = Engine(load_pretrained(ckpt, dtype="float32"), **KW)

@@ -40,7 +40,7 @@ class Local:
     """An in-process server: the unified reference, or the decode of the prefill-kill test."""
 
     def __init__(self, ckpt, tok, role):
-        from k3serve.model import load_pretrained
+        from k3serve.checkpoints import load_pretrained
         from k3serve.server.api.engine_thread import EngineThread
         from k3serve.server.api.grpc_service import GrpcServer, Servicer
         from k3serve.server.engine.engine import Engine

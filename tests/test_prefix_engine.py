@@ -24,7 +24,7 @@ KW = dict(max_num_seqs=2, max_num_batched_tokens=48, chunk_size=16, page_size=8,
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
 
     model = load_pretrained(tiny_text_checkpoint(tmp_path_factory.mktemp("ckpt")), dtype="float32")
     on = Engine(model, **KW)  # prefix caching is on by default

@@ -110,7 +110,7 @@ def same_params(a, b) -> bool:
 def test_resume_after_an_interruption_writes_only_the_rest(src, tmp_path):
     from k3serve.checkpoints.preshard import preshard
     from k3serve.checkpoints.preshard_format import MANIFEST, PARTS, PreshardError, read_manifest
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
 
     dst = tmp_path / "dst"
 
@@ -233,7 +233,7 @@ def largest_data_file(path):
 
 
 def test_verify_passes_and_matches_the_source(one, src):
-    from k3serve.checkpoints.preshard_load import verify
+    from k3serve.checkpoints.preshard_verify import verify
 
     out = verify(one, src)
     assert out["arrays"] > 50 and out["logits_gap"] == 0.0 and out["source_tensors"] > 100
@@ -241,7 +241,7 @@ def test_verify_passes_and_matches_the_source(one, src):
 
 def test_a_corrupted_part_is_named_by_its_array(one, tmp_path):
     from k3serve.checkpoints.preshard_format import PreshardError
-    from k3serve.checkpoints.preshard_load import verify
+    from k3serve.checkpoints.preshard_verify import verify
 
     bad = copy_of(one, tmp_path)
     f = largest_data_file(bad)
@@ -254,7 +254,7 @@ def test_a_corrupted_part_is_named_by_its_array(one, tmp_path):
 
 def test_a_truncated_part_is_named_by_its_array(one, tmp_path):
     from k3serve.checkpoints.preshard_format import PreshardError
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
 
     bad = copy_of(one, tmp_path)
     f = largest_data_file(bad)
@@ -289,8 +289,8 @@ def test_a_part_stored_in_another_dtype_is_refused_at_restore(one, tmp_path):
     import ml_dtypes
 
     from k3serve.checkpoints.preshard_format import MANIFEST, PreshardError
-    from k3serve.checkpoints.preshard_load import verify
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints.preshard_verify import verify
+    from k3serve.checkpoints import load_pretrained
 
     bad = copy_of(one, tmp_path)
     rewrite_part(bad, "00000", cast=ml_dtypes.bfloat16)
@@ -310,7 +310,7 @@ def test_a_part_stored_in_another_dtype_is_refused_at_restore(one, tmp_path):
 
 def test_verify_reports_a_mixed_preshard(one, tmp_path):
     from k3serve.checkpoints.preshard_format import MANIFEST, PreshardError
-    from k3serve.checkpoints.preshard_load import verify
+    from k3serve.checkpoints.preshard_verify import verify
 
     bad = copy_of(one, tmp_path)
     run = json.loads((bad / MANIFEST).read_text())["run"]
@@ -322,7 +322,7 @@ def test_verify_reports_a_mixed_preshard(one, tmp_path):
 
 def test_another_format_version_is_refused(one, tmp_path):
     from k3serve.checkpoints.preshard_format import MANIFEST, PreshardError
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
 
     bad = copy_of(one, tmp_path)
     man = json.loads((bad / MANIFEST).read_text())
@@ -343,7 +343,7 @@ def test_a_recipe_that_does_not_fit_gets_the_validate_message(src, tmp_path):
 
 def test_bfloat16_preshard_equals_a_bfloat16_load(src, tmp_path):
     from k3serve.checkpoints.preshard import preshard
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
 
     preshard(src, tmp_path / "bf", dtype="bfloat16")
     assert same_params(load_pretrained(tmp_path / "bf", dtype="bfloat16"), load_pretrained(src, dtype="bfloat16"))

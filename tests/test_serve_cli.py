@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from _util import free_port, tiny_text_checkpoint
-from k3serve.model import load_pretrained
+from k3serve.checkpoints import load_pretrained
 from k3serve.server.text.tokenizer import load_tokenizer
 
 

@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent('''
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
     from k3serve.model.config import K3Config
     from k3serve.checkpoints.safetensors_io import open_checkpoint
     from k3serve.server.engine.engine import Engine

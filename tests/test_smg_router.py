@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.skipif(SMG is None, reason="smg (dev extra) is not ins
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
     from k3serve.server.engine.engine import Engine
     from k3serve.server.api.engine_thread import EngineThread
     from k3serve.server.api.grpc_service import GrpcServer, Servicer

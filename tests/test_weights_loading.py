@@ -20,7 +20,7 @@ from _util import DATA, golden, load_case, rel_err
 from k3serve.checkpoints.safetensors_io import INDEX_FILE, SINGLE_FILE, open_checkpoint, write_checkpoint
 from k3serve.checkpoints.synthetic import generate_checkpoint, k3_config
 from k3serve.kernels.mxfp4 import unpack_mxfp4_np
-from k3serve.model import load_pretrained
+from k3serve.checkpoints import load_pretrained
 from k3serve.model.config import K3Config
 from k3serve.model.weights import CheckpointError, expected_tensor_names
 
@@ -313,7 +313,7 @@ def test_tied_embeddings_and_moe_layer_frequency(tmp_path):
     import json
 
     from k3serve.checkpoints.synthetic import generate_checkpoint, k3_config
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
     from k3serve.checkpoints.safetensors_io import open_checkpoint, write_checkpoint
 
     cfg = k3_config(vocab_size=256, hidden_size=64, num_hidden_layers=4, full_attn_layers=[4],

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3serve.model import load_pretrained
+from k3serve.checkpoints import load_pretrained
 from k3serve.model.cache import make_batch
 from k3serve.model.layer_plan import plan_layers
 

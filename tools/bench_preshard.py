@@ -30,7 +30,7 @@ from pathlib import Path
 
 LOAD = """
 import sys, time
-from k3serve.model import load_pretrained
+from k3serve.checkpoints import load_pretrained
 from k3serve.server.engine.llm import recipe_placement
 path, recipe = sys.argv[1], sys.argv[2]
 t = time.perf_counter()

@@ -15,7 +15,7 @@ import time
 
 def main() -> None:
     from k3serve.demo import model_or_demo
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
     from k3serve.server.engine.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

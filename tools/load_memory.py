@@ -39,7 +39,7 @@ def child(pid: int, n: int, port: int, recipe: str, model: str) -> None:
     if n > 1:
         jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=pid)
     jax.devices()
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
     from k3serve.server.engine.llm import recipe_placement
 
     placement = recipe_placement(model, recipe)

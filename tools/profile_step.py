@@ -40,7 +40,7 @@ def main() -> None:
         import k3serve.kernels.ops as ops
 
         ops.expert_ffn = lambda x, *args, **kw: jnp.zeros(x.shape, jnp.float32) + 0 * x
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
     from k3serve.server.bench.offline import prompts_for
     from k3serve.server.engine.engine import Engine
     from k3serve.server.engine.sampling_params import SamplingParams

@@ -172,7 +172,7 @@ def _start_engine(args, path, metrics, dispatch=None):
 def build_engine(args, path, dispatch=None):
     """The engine ``k3serve serve``'s flags describe (every process of a deployment builds
     the same one; ``dispatch``: the leader's, which replays device calls on the followers)."""
-    from ...model import load_pretrained
+    from ...checkpoints import load_pretrained
     from ..engine.engine import Engine
     from ..engine.llm import recipe_placement
 

@@ -67,7 +67,7 @@ def measure(eng, prompt, rows: int, steps: int, warm: int, params) -> dict:
 
 def run(model_dir, contexts, rows: int, steps: int, warm: int = 4, chunk: int = 512, penalties: bool = False,
         stop: bool = False, seed: int = 0) -> dict:
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
     from k3serve.server.engine.engine import Engine
     from k3serve.server.engine.sampling_params import SamplingParams
 

@@ -44,7 +44,7 @@ def run(model_dir=None, streams: int = 8, probes: int = 20, prompt_len: int = 16
 
     from ...demo import demo_checkpoint
     from ...compile_cache import enable_compile_cache
-    from ...model import load_pretrained
+    from ...checkpoints import load_pretrained
     from ..api.engine_thread import EngineThread
     from ..engine.engine import Engine
     from ..engine.sampling_params import SamplingParams

@@ -37,7 +37,7 @@ def prompts_for(rng, c: int, prompt_len: int, vocab: int) -> list[list[int]]:
 
 
 def run_k3serve(model_dir, conc, prompt_len, gen_len, seed=0, modes=("async",), untimed_runs=1, **engine_kw):
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
     from k3serve.server.engine.engine import Engine
     from k3serve.server.engine.sampling_params import SamplingParams
 

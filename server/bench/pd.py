@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     from k3serve.compile_cache import enable_compile_cache
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
     from k3serve.server.client.replay import replay
     from k3serve.server.client.traces import generate_trace, trace_summary
 

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the report to this file")
     a = ap.parse_args(argv)
 
-    from k3serve.model import load_pretrained
+    from k3serve.checkpoints import load_pretrained
     from k3serve.compile_cache import enable_compile_cache
     from k3serve.server.client.traces import generate_trace, trace_summary
 

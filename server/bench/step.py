@@ -65,7 +65,7 @@ def active_weight_bytes(model) -> int:
 
 
 def run(model_dir, rows: list[int], context: int, steps: int, seed: int = 0) -> dict:
-    from ...model import load_pretrained
+    from ...checkpoints import load_pretrained
     from ..engine.engine import Engine
     from ..engine.sampling_params import SamplingParams
     from .offline import prompts_for

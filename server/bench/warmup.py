@@ -24,7 +24,7 @@ from .report import emit
 _CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
-from k3serve.model import load_pretrained
+from k3serve.checkpoints import load_pretrained
 from k3serve.server.cli import build_parser, prefix_kwargs
 from k3serve.server.engine.engine import Engine
 args = build_parser().parse_args(["serve", "--model", sys.argv[1]])

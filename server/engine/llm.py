@@ -5,7 +5,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from ...model import load_pretrained
+from ...checkpoints import load_pretrained
 from .engine import Engine
 from .request import EngineError, RequestOutput
 from .sampling_params import SamplingParams
