@@ -1,9 +1,11 @@
 """``k3serve serve``: the process around an engine — gRPC, metrics, signals, load, drain.
 
-The model loads and warms up on a worker thread so the main thread stays in Python and
-handles SIGTERM/SIGINT at once, even while XLA compiles. Once loaded, the engine thread runs
-the steps and the gRPC servicer talks to it; SIGTERM drains in-flight requests for the grace
-period, then stops.
+The gRPC server starts first: health NOT_SERVING, ``GetModelInfo`` / ``GetServerInfo``
+answered from config.json and the flags (a router started beside it registers it from them),
+everything else UNAVAILABLE. The model loads and warms up on a worker thread so the main
+thread stays in Python and handles SIGTERM/SIGINT at once, even while XLA compiles. Once
+loaded, the engine thread runs the steps and the gRPC servicer talks to it; SIGTERM drains
+in-flight requests for the grace period, then stops.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from ..cli import prefix_kwargs
 from .engine_thread import EngineThread
 from .grpc_service import GrpcServer, Servicer
 from .metrics import Metrics
+from .worker_info import EnginePlan
 
 
 def serve(args) -> int:
@@ -40,7 +43,14 @@ def serve(args) -> int:
 
             return serve_follower(args, path, cluster)
     metrics = Metrics()
-    servicer = Servicer(model_dir=path, served_model_name=args.served_model_name or path.name, metrics=metrics)
+    try:  # what a router reads at registration, known before the load (worker_info.py)
+        plan = EnginePlan.from_serve_args(args, num_processes=cluster.num_processes if cluster is not None else 1)
+    except ValueError as e:
+        print(f"k3serve: {e}", file=sys.stderr, flush=True)
+        return 1
+    servicer = Servicer(model_dir=path, served_model_name=args.served_model_name or path.name, metrics=metrics,
+                        plan=plan, role=getattr(args, "role", "unified"),
+                        bootstrap_port=getattr(args, "bootstrap_port", None))
     server = GrpcServer(servicer, host=args.host, port=args.port, api_key=args.api_key, tls_cert=args.tls_cert,
                         tls_key=args.tls_key, max_message_bytes=args.max_message_mb << 20,
                         max_workers=args.max_concurrent_rpcs + 8)
