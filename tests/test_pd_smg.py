@@ -1,5 +1,6 @@
 """P/D as deployed (issue #16): ``k3serve serve --role prefill`` and ``--role decode``, each its
-own process, and PyPI ``smg`` in ``--pd-disaggregation`` mode in front of them. smg sends each
+own process, and PyPI ``smg`` in ``--pd-disaggregation`` mode in front of them, started first so
+that it registers both while they load (issue #32). smg sends each
 request to both servers at once with the same bootstrap room. Its output must be
 token-identical to a unified k3serve asked directly: completions and chat, streaming and not,
 and a second turn that hits the prefill's prefix cache. 16 concurrent streams, with every third
@@ -64,8 +65,8 @@ class Local:
 class Proc:
     """``k3serve serve --role ROLE`` in its own process."""
 
-    def __init__(self, ckpt, role, env, boot=None):
-        self.port, self.boot = free_port(), boot
+    def __init__(self, ckpt, role, env, boot=None, port=None):
+        self.port, self.boot = port or free_port(), boot
         extra = ["--bootstrap-port", str(boot), "--pd-wait", "5", "--pd-transfer-timeout", "5"] if boot else []
         self.proc = subprocess.Popen([sys.executable, "-m", "k3serve.server.cli", "serve", "--model", str(ckpt),
                                       "--port", str(self.port), "--metrics-port", "-1", "--role", role, *FLAGS,
@@ -120,19 +121,23 @@ def stack(tmp_path_factory, cache_home):
     try:
         uni = Local(ckpt, tok, "unified")
         made.append(uni)
-        pre, dec = Proc(ckpt, "prefill", env, boot=free_port()), Proc(ckpt, "decode", env)
+        # the router first, as a deployment that starts everything at once (issue #32): it
+        # registers both servers while they load, and must route to them once they serve
+        pre_port, boot, dec_port, http, prom = (free_port() for _ in range(5))
+        router = subprocess.Popen([SMG, "launch", "--pd-disaggregation", "--prefill", f"grpc://127.0.0.1:{pre_port}",
+                                   str(boot), "--decode", f"grpc://127.0.0.1:{dec_port}", "--model-path", str(ckpt),
+                                   "--host", "127.0.0.1", "--port", str(http), "--prometheus-host", "127.0.0.1",
+                                   "--prometheus-port", str(prom), "--worker-startup-check-interval", "1"],
+                                  stdout=log, stderr=subprocess.STDOUT)
+        pre, dec = Proc(ckpt, "prefill", env, boot=boot, port=pre_port), Proc(ckpt, "decode", env, port=dec_port)
         made += [pre, dec]
         local_dec = Local(ckpt, tok, "decode")
         made.append(local_dec)
         pre.wait_healthy()
         dec.wait_healthy()
-        http, prom = free_port(), free_port()
-        router = subprocess.Popen([SMG, "launch", "--pd-disaggregation", "--prefill", f"grpc://127.0.0.1:{pre.port}",
-                                   str(pre.boot), "--decode", f"grpc://127.0.0.1:{dec.port}", "--model-path", str(ckpt),
-                                   "--host", "127.0.0.1", "--port", str(http), "--prometheus-host", "127.0.0.1",
-                                   "--prometheus-port", str(prom)], stdout=log, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{http}"
         model = wait_for_router(base, router, log)
+        assert model == ckpt.name, log_tail(log)  # not "unknown": both were registered by name
         yield {"base": base, "tok": tok, "model": model, "uni": uni, "pre": pre, "dec": dec,
                "local_dec": local_dec, "log": log}
     finally:

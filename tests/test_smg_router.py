@@ -1,51 +1,70 @@
 """A router nobody here wrote in front of k3serve: PyPI `smg` (Shepherd Model Gateway) on
 loopback routes OpenAI HTTP requests to our gRPC server. Its completions and chat completions,
-streaming and not, must be token-identical to asking our server directly over gRPC."""
+streaming and not, must be token-identical to asking our server directly over gRPC. The router
+starts first and registers the server while it still loads (issue #32): what it read then
+must be what the loaded server answers, and it must route to the server once it serves."""
 from __future__ import annotations
 
+import json
 import subprocess
 import time
+import urllib.request
 
 import grpc
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from _util import free_port, post_json as _post, tiny_text_checkpoint, tool_path, wait_for_router
+from _util import free_port, log_tail, post_json as _post, tiny_text_checkpoint, tool_path, wait_for_router
 
 SMG = tool_path("smg")
 pytestmark = [pytest.mark.skipif(SMG is None, reason="smg (dev extra) is not installed"),
               pytest.mark.slow]  # a k3serve server and the smg router, each its own process
 
 
+FLAGS = ["--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--chunk-size", "32", "--page-size", "16",
+         "--max-model-len", "256"]
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     from k3serve.checkpoints import load_pretrained
-    from k3serve.server.engine.engine import Engine
     from k3serve.server.api.engine_thread import EngineThread
     from k3serve.server.api.grpc_service import GrpcServer, Servicer
+    from k3serve.server.api.worker_info import EnginePlan
+    from k3serve.server.cli import build_parser
+    from k3serve.server.engine.engine import Engine
     from k3serve.server.text.tokenizer import load_tokenizer
 
     ckpt = tiny_text_checkpoint(tmp_path_factory.mktemp("ckpt"))
     tok = load_tokenizer(ckpt)
-    eng = Engine(load_pretrained(ckpt), max_num_seqs=2, max_num_batched_tokens=64, chunk_size=32, page_size=16,
-                 max_model_len=256, detokenizer=tok.detokenizer)
-    loop = EngineThread(eng)
-    server = GrpcServer(Servicer(model_dir=ckpt, served_model_name="k3-tiny-text"), host="127.0.0.1", port=0)
-    server.set_ready(loop)
-    http, prom = free_port(), free_port()
+    args = build_parser().parse_args(["serve", *FLAGS])
+    port, http, prom = free_port(), free_port(), free_port()
     log = open(tmp_path_factory.mktemp("smg") / "smg.log", "w+")
-    router = subprocess.Popen([SMG, "launch", "--worker-urls", f"grpc://127.0.0.1:{server.port}",
+    # the router first, as a deployment that starts both at once (issue #32): it registers the
+    # worker while the model still loads, and must route to it once it serves
+    router = subprocess.Popen([SMG, "launch", "--worker-urls", f"grpc://127.0.0.1:{port}",
                                "--model-path", str(ckpt), "--host", "127.0.0.1", "--port", str(http),
-                               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)],
-                              stdout=log, stderr=subprocess.STDOUT)
+                               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
+                               "--worker-startup-check-interval", "1"], stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{http}"
+    server = None
     try:
+        server = GrpcServer(Servicer(model_dir=ckpt, served_model_name="k3-tiny-text",
+                                     plan=EnginePlan.from_serve_args(args)), host="127.0.0.1", port=port)
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = pb_grpc.SglangSchedulerStub(channel)
+        wait_for_worker(base, router, log)  # registered while loading
+        loading = _info(stub)
+        eng = Engine(load_pretrained(ckpt), max_num_seqs=args.max_num_seqs,
+                     max_num_batched_tokens=args.max_num_batched_tokens, chunk_size=args.chunk_size,
+                     page_size=args.page_size, max_model_len=args.max_model_len, detokenizer=tok.detokenizer)
+        loop = EngineThread(eng)
+        server.set_ready(loop)
         model = wait_for_router(base, router, log)
-        channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-        from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
-
-        yield {"base": base, "tok": tok, "stub": pb_grpc.SglangSchedulerStub(channel), "model": model,
-               "loop": loop, "log": log}
+        assert model == "k3-tiny-text", log_tail(log)
+        yield {"base": base, "tok": tok, "stub": stub, "model": model, "loop": loop, "log": log,
+               "loading": loading}
         channel.close()
     finally:
         router.terminate()
@@ -53,8 +72,39 @@ def stack(tmp_path_factory):
             router.wait(20)
         except subprocess.TimeoutExpired:
             router.kill()
-        server.shutdown(grace_s=5)
+        if server is not None:
+            server.shutdown(grace_s=5)
         log.close()
+
+
+def wait_for_worker(base, router, log, timeout: float = 60) -> None:
+    """Until smg's ``/workers`` lists a worker (registered, whatever it answered)."""
+    t = time.monotonic() + timeout
+    while True:
+        assert router.poll() is None, log_tail(log)
+        try:
+            if json.loads(urllib.request.urlopen(base + "/workers", timeout=2).read()).get("workers"):
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < t, log_tail(log)
+        time.sleep(0.2)
+
+
+def _info(stub) -> tuple:
+    return (stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10),
+            stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10))
+
+
+def test_what_smg_reads_is_known_before_the_load(stack):
+    """smg reads GetModelInfo and GetServerInfo once, when it registers the worker, which was
+    while it loaded: every field it reads then must be what the loaded server answers."""
+    (m0, s0), (m1, s1) = stack["loading"], _info(stack["stub"])
+    assert m0 == m1
+    a0, a1 = dict(s0.server_args.items()), dict(s1.server_args.items())
+    live = {"max_total_num_tokens", "num_devices", "mesh_shape"}  # known once the KV cache is allocated
+    assert live.isdisjoint(a0) and a0 == {k: v for k, v in a1.items() if k not in live}
+    assert m0.served_model_name == "k3-tiny-text" and m0.max_context_length == 256 and m0.tokenizer_path
 
 
 def _direct(stack, ids, max_new):

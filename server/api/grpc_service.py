@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
+import json  # tests/test_grpc_server.py patches grpc_service.json.loads (config.json is read once)
 import math
 import time
 import uuid
@@ -48,8 +48,10 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from ..engine.request import RequestError
 from ..pd.prefill import HandoffError
 from .auth import ApiKeyInterceptor
+from .worker_info import EnginePlan, checkpoint_config, planned_disaggregation
 from ..engine.sampling_params import SamplingParams
 
+LOADING = "k3serve is still loading the model (health NOT_SERVING until its warm-up ends)"
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model",
                    "special_tokens_map.json", "generation_config.json", "config.json")
@@ -189,10 +191,13 @@ def tokenizer_bundle(model_dir: Path | None) -> bytes:
 
 
 class Servicer(pb_grpc.SglangSchedulerServicer):
-    """Holds an ``EngineThread`` once the model is ready; until then answers UNAVAILABLE."""
+    """Holds an ``EngineThread`` once the model is ready. Until then ``GetModelInfo`` and
+    ``GetServerInfo`` answer from the checkpoint's config and ``plan`` (a router registers a
+    worker from them once, maybe while it loads), the rest UNAVAILABLE."""
 
     def __init__(self, *, model_dir=None, served_model_name: str = "k3serve", metrics=None,
-                 tokenizer=None, server_args: dict | None = None):
+                 tokenizer=None, server_args: dict | None = None, plan: EnginePlan | None = None,
+                 role: str = "unified", bootstrap_port: int | None = None):
         self.loop = None
         self.model_dir = Path(model_dir) if model_dir else None
         self.served_model_name = served_model_name
@@ -205,6 +210,9 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         self._raw_config: dict | None = None  # config.json, read once
         self.pd_prefill = None  # server.pd.prefill.PrefillSide on a prefill-role server
         self.pd_decode = None  # server.pd.decode.DecodeSide on a decode-role server
+        # what GetModelInfo / GetServerInfo answer while loading (worker_info.py); None: UNAVAILABLE
+        self.plan = plan
+        self.planned_pd = planned_disaggregation(role, bootstrap_port)
 
     def set_ready(self, loop) -> None:
         self.loop = loop
@@ -212,7 +220,7 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
     def _loop(self, context):
         loop = self.loop
         if loop is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+            context.abort(grpc.StatusCode.UNAVAILABLE, LOADING)
         if not loop.accepting:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         return loop
@@ -302,7 +310,7 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
     def Abort(self, request, context):
         loop = self.loop  # served while draining too: a router's aborts must land during the grace period
         if loop is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+            context.abort(grpc.StatusCode.UNAVAILABLE, LOADING)
         ok = loop.abort(request.request_id)
         return pb.AbortResponse(success=ok, message="aborted" if ok else f"no running request {request.request_id!r}")
 
@@ -317,54 +325,70 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
             return pb.HealthCheckResponse(healthy=False, message="shutting down")
         return pb.HealthCheckResponse(healthy=True, message="ok")
 
-    def GetModelInfo(self, request, context):
-        loop = self._loop(context)
-        cfg = loop.engine.model.config
+    def _engine_plan(self, context) -> EnginePlan:
+        """The engine's limits: read from it once loaded, else as planned from the flags."""
+        if self.loop is not None:
+            return EnginePlan.of_engine(self.loop.engine)
+        if self.plan is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, LOADING)
+        return self.plan
+
+    def _checkpoint_config(self) -> dict:
         if self._raw_config is None:
-            raw = {}
-            if self.model_dir is not None and (self.model_dir / "config.json").is_file():
-                raw = json.loads((self.model_dir / "config.json").read_text())
-            self._raw_config = raw
-        raw = self._raw_config
+            self._raw_config = checkpoint_config(self.model_dir)
+        return self._raw_config
+
+    def GetModelInfo(self, request, context):
+        """Answered while loading too (from the checkpoint's config): smg registers a worker
+        with what it answers the first time."""
+        plan = self._engine_plan(context)
+        raw = self._checkpoint_config()
+        if self.loop is not None:
+            cfg = self.loop.engine.model.config
+        elif raw:
+            from ...model.config import K3Config
+
+            cfg = K3Config.from_dict(raw)
+        else:
+            context.abort(grpc.StatusCode.UNAVAILABLE, LOADING + " (no config.json to describe it before)")
         eos = cfg.eos_token_id
         tok_dir = str(self.model_dir) if self.model_dir and any(
             (self.model_dir / f).is_file() for f in TOKENIZER_FILES[:4]) else ""
         return pb.GetModelInfoResponse(
             model_path=str(self.model_dir or ""), tokenizer_path=tok_dir, is_generation=True,
-            served_model_name=self.served_model_name, max_context_length=loop.engine.max_model_len,
+            served_model_name=self.served_model_name, max_context_length=plan.max_model_len,
             vocab_size=cfg.vocab_size, supports_vision=False, model_type=str(raw.get("model_type", cfg.family)),
             eos_token_ids=[eos] if eos is not None else [], pad_token_id=_int_or(cfg.pad_token_id, 0),
-            bos_token_id=_int_or(cfg.bos_token_id, 0), max_req_input_len=loop.engine.max_model_len - 1,
+            bos_token_id=_int_or(cfg.bos_token_id, 0), max_req_input_len=plan.max_model_len - 1,
             architectures=list(raw.get("architectures", [])), weight_version="default",
         )
 
     def GetServerInfo(self, request, context):
-        loop = self._loop(context)
+        """Answered while loading too: the planned limits, role and bootstrap port; what only
+        the loaded engine knows (KV size, mesh, compiles) is added once it is up."""
+        plan = self._engine_plan(context)
+        args = {"model_path": str(self.model_dir or ""), "served_model_name": self.served_model_name,
+                **plan.server_args()}
+        loop = self.loop
+        ts = timestamp_pb2.Timestamp()
+        ts.FromSeconds(int(self.start_time))
+        common = dict(sglang_version=VERSION, server_type="grpc", start_time=ts,
+                      uptime_seconds=time.time() - self.start_time, last_receive_timestamp=self.last_receive)
+        if loop is None:
+            args.update(self.planned_pd, **self.server_args)
+            return pb.GetServerInfoResponse(server_args=_struct(args), is_paused=False, **common)
         st = loop.stats()
         eng = loop.engine
-        args = {
-            "model_path": str(self.model_dir or ""), "served_model_name": self.served_model_name,
-            "max_running_requests": eng.scheduler.max_num_seqs, "max_num_seqs": eng.scheduler.max_num_seqs,
-            "max_total_num_tokens": st["max_tokens_in_kv"], "max_prefill_tokens": eng.scheduler.max_num_batched_tokens,
-            "chunked_prefill_size": eng.scheduler.chunk_size, "page_size": eng.capacity_plan.page_size,
-            "context_length": eng.max_model_len, "pp_size": 1,
-            **_parallel_sizes(eng.recipe), **_deployment(eng),
-            **self._disaggregation_args(), "dtype": str(eng.model.dtype),
-            "recipe": str(eng.recipe) if eng.recipe is not None else "single",
-            **self.server_args,
-        }
+        args.update(max_total_num_tokens=st["max_tokens_in_kv"], **_mesh(eng), **self._disaggregation_args(),
+                    **self.server_args)
         ps = eng.capacity_plan.page_size
         sched = {"num_pages": eng.capacity_plan.num_pages, "num_slots": eng.capacity_plan.num_slots,
                  "max_concurrent_slots": st["max_concurrent_slots"], "num_compiles": st["num_compiles"],
                  "warmup_s": round(st["warmup_s"], 3), "num_used_tokens": st["request_pages"] * ps,
                  "num_cached_tokens": st["evictable_pages"] * ps}
-        ts = timestamp_pb2.Timestamp()
-        ts.FromSeconds(int(self.start_time))
         return pb.GetServerInfoResponse(
             server_args=_struct(args), scheduler_info=_struct(sched), active_requests=st["active_requests"],
-            is_paused=not loop.accepting, last_receive_timestamp=self.last_receive,
-            uptime_seconds=time.time() - self.start_time, sglang_version=VERSION, server_type="grpc",
-            start_time=ts, max_total_num_tokens=st["max_tokens_in_kv"])
+            is_paused=not loop.accepting, max_total_num_tokens=st["max_tokens_in_kv"], **common)
 
     def GetLoads(self, request, context):
         """From the engine thread's last snapshot. As SGLang: used = total - free - evictable
@@ -478,18 +502,10 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         self._unimplemented(context, "LoRA")
 
 
-def _parallel_sizes(recipe) -> dict:
-    if recipe is None:
-        return {"tp_size": 1, "dp_size": 1, "ep_size": 1, "dcp_size": 1}
-    return {"tp_size": recipe.attn_tp, "dp_size": recipe.dp, "ep_size": recipe.ep, "moe_tp_size": recipe.tp,
-            "dcp_size": recipe.dcp, "sp_size": recipe.sp}
-
-
-def _deployment(eng) -> dict:
-    """Processes (SGLang's ``nnodes``) and the global mesh: its axes and device count."""
-    n = eng.dispatch.num_processes
+def _mesh(eng) -> dict:
+    """The global mesh of a loaded engine: its axes and device count."""
     mesh = eng.mesh
-    return {"nnodes": n, "num_processes": n, "num_devices": mesh.size if mesh is not None else 1,
+    return {"num_devices": mesh.size if mesh is not None else 1,
             "mesh_shape": {k: int(v) for k, v in mesh.shape.items()} if mesh is not None else {}}
 
 

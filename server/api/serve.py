@@ -1,9 +1,11 @@
 """``k3serve serve``: the process around an engine — gRPC, metrics, signals, load, drain.
 
-The model loads and warms up on a worker thread so the main thread stays in Python and
-handles SIGTERM/SIGINT at once, even while XLA compiles. Once loaded, the engine thread runs
-the steps and the gRPC servicer talks to it; SIGTERM drains in-flight requests for the grace
-period, then stops.
+The gRPC server starts first: health NOT_SERVING, ``GetModelInfo`` / ``GetServerInfo``
+answered from config.json and the flags (a router started beside it registers it from them),
+everything else UNAVAILABLE. The model loads and warms up on a worker thread so the main
+thread stays in Python and handles SIGTERM/SIGINT at once, even while XLA compiles. Once
+loaded, the engine thread runs the steps and the gRPC servicer talks to it; SIGTERM drains
+in-flight requests for the grace period, then stops.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from .auth import ADMIN_KEY_ENV, API_KEY_ENV, load_key
 from .engine_thread import EngineThread
 from .grpc_service import GrpcServer, Servicer
 from .metrics import Metrics
+from .worker_info import EnginePlan
 
 
 def serve(args) -> int:
@@ -41,7 +44,14 @@ def serve(args) -> int:
 
             return serve_follower(args, path, cluster)
     metrics = Metrics()
-    servicer = Servicer(model_dir=path, served_model_name=args.served_model_name or path.name, metrics=metrics)
+    try:  # what a router reads at registration, known before the load (worker_info.py)
+        plan = EnginePlan.from_serve_args(args, num_processes=cluster.num_processes if cluster is not None else 1)
+    except ValueError as e:
+        print(f"k3serve: {e}", file=sys.stderr, flush=True)
+        return 1
+    servicer = Servicer(model_dir=path, served_model_name=args.served_model_name or path.name, metrics=metrics,
+                        plan=plan, role=getattr(args, "role", "unified"),
+                        bootstrap_port=getattr(args, "bootstrap_port", None))
     api_key = load_key(args.api_key, getattr(args, "api_key_file", None), API_KEY_ENV)
     admin_key = load_key(None, getattr(args, "admin_key_file", None), ADMIN_KEY_ENV)
     server = GrpcServer(servicer, host=args.host, port=args.port, api_key=api_key, admin_key=admin_key,
