@@ -38,7 +38,7 @@ def engine_digest(args, path=None) -> str:
     engine-shaping flags (:data:`ENGINE_FLAGS`) and of the model's weights at ``path``
     (default ``--model``, or the embedded demo; ``checkpoints.fingerprint.model_digest``)."""
     from ...checkpoints.fingerprint import model_digest
-    from ...checkpoints.synthetic import model_or_demo
+    from ...demo import model_or_demo
 
     d = {k: getattr(args, k, None) for k in ENGINE_FLAGS}
     flags = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

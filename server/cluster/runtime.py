@@ -9,7 +9,7 @@ The control channel is found through the distributed runtime's key-value store: 
 (process 0, which also hosts JAX's coordination service) listens on a free port of
 ``control_host`` (default: the coordinator's host, which every process can reach by
 definition) and publishes ``host:port``; each follower reads it, connects and proves it holds
-the deployment's secret (``hello.py``; the secret: :func:`control_secret`). The store's barrier (:func:`wait_for_processes`) lines the processes up
+the deployment's secret (``hello.py``; the secret: :func:`control_secret`). The store's barrier (``engine.process_barrier.wait_for_processes``) lines the processes up
 before their first collectives.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ import dataclasses
 import secrets
 import socket
 
+from ..engine.process_barrier import distributed_store
 from . import hello
 
 _KEY = "k3serve/control"
@@ -56,31 +57,6 @@ def init_distributed(coordinator: str | None, num_processes: int | None, process
     return Cluster(jax.process_index(), jax.process_count(), distributed.global_state.coordinator_address or coordinator)
 
 
-def _kv():
-    from jax._src import distributed
-
-    return distributed.global_state.client
-
-
-_barriers = 0
-
-
-def wait_for_processes(name: str, timeout_s: float = 1800.0) -> None:
-    """Block until every process of the deployment has called this (in the same order; the
-    distributed runtime's barrier, not a device collective). A no-op in one process.
-
-    Why: the first run of a program with cross-process collectives sets up gloo's
-    communicator, which waits only 30 s for the other processes (a fixed deadline). A process
-    that compiles slower (a busy host, a cold compile cache) misses it and the deployment
-    fails to start; waiting here after compiling, with a deadline of ``timeout_s``, makes the
-    first collective find every process ready."""
-    import jax
-
-    global _barriers
-    if jax.process_count() == 1:
-        return
-    _barriers += 1
-    _kv().wait_at_barrier(f"k3serve/{name}/{_barriers}", int(timeout_s * 1000))
 
 
 def control_secret(cluster: Cluster, secret_file: str | None = None, timeout_s: float = 300.0) -> bytes:
@@ -101,11 +77,11 @@ def control_secret(cluster: Cluster, secret_file: str | None = None, timeout_s: 
     if cluster.is_leader:
         if mine is None:
             mine = secrets.token_bytes(32)
-            _kv().key_value_set(_SECRET_KEY, "generated:" + mine.hex())
+            distributed_store().key_value_set(_SECRET_KEY, "generated:" + mine.hex())
         else:
-            _kv().key_value_set(_SECRET_KEY, "configured")
+            distributed_store().key_value_set(_SECRET_KEY, "configured")
         return mine
-    mode = _kv().blocking_key_value_get(_SECRET_KEY, int(timeout_s * 1000))
+    mode = distributed_store().blocking_key_value_get(_SECRET_KEY, int(timeout_s * 1000))
     if mode == "configured":
         if mine is None:
             raise ValueError("the leader was given a cluster secret (--cluster-secret-file or "
@@ -124,7 +100,7 @@ def accept_followers(cluster: Cluster, control_host: str | None = None, timeout_
     host = control_host or cluster.coordinator.rsplit(":", 1)[0]
     srv = socket.create_server((host, 0))
     port = srv.getsockname()[1]
-    _kv().key_value_set(_KEY, f"{host}:{port}")
+    distributed_store().key_value_set(_KEY, f"{host}:{port}")
     try:
         return hello.accept_hellos(srv, secret, cluster.num_processes, timeout_s)
     finally:
@@ -134,7 +110,7 @@ def accept_followers(cluster: Cluster, control_host: str | None = None, timeout_
 def connect_to_leader(cluster: Cluster, timeout_s: float = 300.0, *, secret_file: str | None = None) -> socket.socket:
     """Follower: find the leader's control address, connect, and run the hello (raises
     ``hello.HelloRefused`` when the leader refuses us or cannot prove itself)."""
-    addr = _kv().blocking_key_value_get(_KEY, int(timeout_s * 1000))
+    addr = distributed_store().blocking_key_value_get(_KEY, int(timeout_s * 1000))
     secret = control_secret(cluster, secret_file, timeout_s)
     host, port = addr.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=timeout_s)

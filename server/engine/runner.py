@@ -51,7 +51,7 @@ from flax import nnx
 
 from ...intmath import cdiv
 from ...model.step import FlatBatch, token_buckets
-from ..cluster.runtime import wait_for_processes
+from .process_barrier import wait_for_processes
 from .sampler import SamplerInputs, record_tokens, row_settings, sample, token_table_row, uses_penalties
 
 _SUPPRESS, _RECORD = 1, 2  # per-row flag bits
