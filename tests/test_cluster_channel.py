@@ -199,7 +199,7 @@ def kv(monkeypatch):
     from k3serve.server.cluster import runtime
 
     store = _FakeKV()
-    monkeypatch.setattr(runtime, "_kv", lambda: store)
+    monkeypatch.setattr(runtime, "distributed_store", lambda: store)
     return store
 
 
