@@ -56,7 +56,7 @@ class Engine:
                  enable_prefix_caching: bool = True, prefix_unit: int | None = None, prefix_interval: int = 0,
                  prefix_second_hit: bool = True, prefix_output_end: bool = True,
                  prefix_snapshots: int | None = None, prefix_cache_bytes: int | None = None,
-                 prefix_host_bytes: int = 1 << 30, bucket_growth: int = 8, dispatch=None):
+                 prefix_host_bytes: int = 1 << 30, bucket_growth: int = 8, dispatch=None, pd_handoff_bytes: int = 0):
         from .dispatch import LocalDispatch
 
         cfg = model.config
@@ -101,7 +101,8 @@ class Engine:
             raise ValueError("prefix caching needs prefix_snapshots >= 1")
         self.capacity_plan = plan_capacity(cfg, page_size=page_size, dtype=model.dtype, kv_memory_bytes=kv_memory_bytes,
                                   max_num_seqs=max_num_seqs, num_pages=num_pages, dp=dp, dcp=dcp,
-                                  snapshot_slots=prefix_snapshots if enable_prefix_caching else 0)
+                                  snapshot_slots=prefix_snapshots if enable_prefix_caching else 0,
+                                  handoff_bytes=pd_handoff_bytes)
         self.cache_mgr = CacheManager(cfg, self.capacity_plan, model.dtype, allocate=self.par is None,
                                       dispatch=self.dispatch)
         if self.par is not None:  # allocated straight into its shards
@@ -453,6 +454,8 @@ class Engine:
             "evictable_pages": evictable,
             "request_pages": self.capacity_plan.num_pages - self.cache_mgr.num_free_pages - evictable,
             "waiting_uncached_tokens": sum(r.remaining for r in self.scheduler.waiting),
+            # P/D decodes queued for a slot and pages (smg's decode_prealloc_queue_reqs)
+            "waiting_prefilled": sum(1 for r in self.scheduler.waiting if r.awaiting),
             "free_slots": self.cache_mgr.num_free_slots,
             "warmup_s": self.warmup_s,
             "step_s": self.step_s,
