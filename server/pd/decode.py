@@ -98,10 +98,16 @@ class DecodeSide:
         return loop.submit(ids, params, rid=rid, on_reserved=on_reserved, **kw)
 
     def _fetch(self, loop, rid: str, addr: str, room: int, ids: list[int], target) -> None:
+        held = 0  # handoff memory taken: given back once the engine thread has the arrays (or they are dropped)
         try:
             if isinstance(target, Exception):
                 raise target
-            handoff = self._handoff(rid, addr, room, ids, target, alive=lambda: loop.in_flight(rid))
+            alive = lambda: loop.in_flight(rid)  # noqa: E731
+            deadline = time.monotonic() + self.await_s
+            nbytes = pull_nbytes(target, piece_specs(self.engine, len(ids), target.dest))
+            self.budget.acquire(nbytes, deadline=deadline, alive=alive, what=f"the handoff of request {rid!r}")
+            held = nbytes
+            handoff = self._handoff(rid, addr, room, ids, target, alive=alive, deadline=deadline)
         except HandoffError as e:
             loop.fail_request(rid, e)
         except grpc.RpcError as e:
@@ -117,8 +123,10 @@ class DecodeSide:
         except Exception as e:  # a bug here must fail the request, not leave it reserved forever
             loop.fail_request(rid, HandoffError("INTERNAL", f"P/D handoff failed: {e!r}"))
         else:
-            loop.deliver(rid, handoff)
+            loop.deliver(rid, handoff)  # the engine thread writes it into the reservation at its next turn
         finally:
+            if held:
+                self.budget.release(held)
             with self._lock:
                 self.transferring -= 1
 
@@ -140,19 +148,12 @@ class DecodeSide:
             raise HandoffError("FAILED_PRECONDITION", f"the prefill at {addr} cannot hand over to this server: {why}")
         return stub
 
-    def _handoff(self, rid: str, addr: str, room: int, ids: list[int], target, alive=lambda: True) -> Handoff:
+    def _handoff(self, rid: str, addr: str, room: int, ids: list[int], target, alive=lambda: True,
+                 deadline: float | None = None) -> Handoff:
         stub = self._stub(addr)
         crc = prompt_crc32(ids)
         specs = piece_specs(self.engine, len(ids), target.dest)
-        nbytes = pull_nbytes(target, specs)
-        deadline = time.monotonic() + self.await_s
-        self.budget.acquire(nbytes, deadline=deadline, alive=alive, what=f"the handoff of request {rid!r}")
-        try:
-            return self._pull(stub, rid, addr, room, ids, crc, specs, target, alive, deadline)
-        finally:  # the engine has the arrays (delivered next), or they are dropped
-            self.budget.release(nbytes)
-
-    def _pull(self, stub, rid, addr, room, ids, crc, specs, target, alive, deadline) -> Handoff:
+        deadline = deadline if deadline is not None else time.monotonic() + self.await_s
         req = pb.AwaitHandoffRequest(
             decode_id=self.decode_id, bootstrap_room=room, request_id=rid, prompt_len=len(ids), prompt_crc32=crc,
             layout=self.layout, destination=destination_pb(target.dest))
