@@ -59,3 +59,20 @@ def test_the_capacity_plan_sets_the_handoff_memory_aside():
     assert held.total_bytes + held.handoff_bytes <= 8 << 20
     with pytest.raises(ValueError, match="P/D handoffs"):
         plan_capacity(cfg, page_size=16, dtype=dtype, kv_memory_bytes=8 << 20, max_num_seqs=4, handoff_bytes=8 << 20)
+
+
+def test_a_bound_too_small_for_the_longest_prompt_is_named():
+    from types import SimpleNamespace
+
+    from _util import DATA
+    from k3serve.model.config import K3Config
+    from k3serve.server.pd.budget import bound_warning, nbytes_of
+    from k3serve.server.pd.layout import export_specs
+
+    cfg = K3Config.from_json_file(DATA / "k3-tiny-a" / "config.json")
+    eng = SimpleNamespace(model=SimpleNamespace(config=cfg, dtype="float32"),
+                          capacity_plan=SimpleNamespace(page_size=16), max_model_len=128)
+    full = 2 * nbytes_of(export_specs(eng, 127))
+    assert bound_warning(eng, None) is None and bound_warning(eng, full) is None
+    why = bound_warning(eng, full - 1)
+    assert "up to about 64 tokens" in why, why  # the rows double past 4 pages (powers of two)

@@ -152,6 +152,11 @@ def attach_pd(servicer, engine, args, secret: bytes | None = None):
     if engine.dispatch.num_processes > 1:
         raise ValueError("P/D roles need a one-process engine for now (a --recipe over this process's devices)")
     handoff = pd_handoff_bytes(args) or None
+    from ..pd.budget import bound_warning
+
+    why = bound_warning(engine, handoff)
+    if why is not None:
+        print(f"k3serve: warning: {why}", file=sys.stderr, flush=True)
     if args.role == "prefill":
         from ..pd.prefill import PrefillSide
 

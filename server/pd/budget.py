@@ -19,6 +19,36 @@ from typing import Callable
 from .errors import HandoffError
 
 
+def nbytes_of(specs) -> int:
+    """Bytes of arrays given as ``(shape, dtype)`` pairs."""
+    import numpy as np
+
+    return sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for s, d in specs)
+
+
+def bound_warning(engine, limit_bytes: int | None) -> str | None:
+    """A warning when ``limit_bytes`` cannot hold the handoff of the longest prompt the engine
+    accepts (about twice its export: export and pieces on the prefill, pieces and load inputs
+    on the decode), else None."""
+    from .layout import export_specs
+
+    if limit_bytes is None:
+        return None
+    longest = engine.max_model_len - 1
+    if 2 * nbytes_of(export_specs(engine, longest)) <= limit_bytes:
+        return None
+    fits = 0
+    lo, hi = 1, longest
+    while lo <= hi:  # the longest prompt whose handoff fits
+        mid = (lo + hi) // 2
+        if 2 * nbytes_of(export_specs(engine, mid)) <= limit_bytes:
+            fits, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return (f"--pd-handoff-memory-gb {limit_bytes / 2**30:g} holds the handoff of prompts up to about {fits} tokens "
+            f"(max-model-len {engine.max_model_len}): longer P/D requests will be refused RESOURCE_EXHAUSTED")
+
+
 class HandoffBudget:
     def __init__(self, limit_bytes: int | None):
         if limit_bytes is not None and limit_bytes <= 0:

@@ -30,17 +30,11 @@ from . import bootstrap_pb2_grpc as pb_grpc
 from ...intmath import cdiv
 from ..engine.cache.deal import cut_pieces
 from .auth import BootstrapAuth
-from .budget import HandoffBudget
+from .budget import HandoffBudget, nbytes_of
 from .errors import HandoffError
 from .layout import destination_of, engine_devices, export_specs, incompatibility, piece_specs, prompt_crc32
 
 __all__ = ["HandoffError", "PrefillSide", "Rooms", "BootstrapServicer"]
-
-
-def nbytes_of(specs) -> int:
-    import numpy as np
-
-    return sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for s, d in specs)
 
 
 @dataclasses.dataclass
