@@ -343,6 +343,10 @@ def add_pd_flags(p) -> None:
                    help="prefill: seconds a request waits for its decode server before failing")
     g.add_argument("--pd-transfer-timeout", type=float, default=60.0,
                    help="seconds a staged handoff waits to be pulled (prefill) / a pull may take (decode)")
+    g.add_argument("--pd-handoff-memory-gb", type=float, default=4.0,
+                   help="GiB of device memory for handoff arrays held at once outside the KV pools (prefill: "
+                        "exports and staged pieces; decode: pulls and their assembled copies), set aside from "
+                        "--kv-memory-gb; a handoff that does not fit waits, one larger than this is refused")
 
 
 def build_parser() -> argparse.ArgumentParser:

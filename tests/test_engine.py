@@ -3,6 +3,8 @@ continuous batching, chunked prefill, page sizes, forced preemption, no recompil
 warm-up, no page or slot leaks, stops, aborts and seeded sampling."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -303,3 +305,111 @@ def test_penalty_token_table_is_rebuilt_after_preemption():
     assert_all_free(eng)
     assert outs["tiny"] == outs["roomy"]
     assert all(len(o) >= 10 for o in outs["tiny"])
+
+
+class _FakeEngine:
+    """What ``EngineThread`` calls of an engine, host only: a request finishes on the first step
+    after it was admitted (a P/D decode: after its handoff); ``raises`` maps a request id to the
+    exception its submit / deliver / abort raises."""
+
+    def __init__(self, raises=None, busy=False):
+        from k3serve.server.engine.request import RequestOutput
+
+        self.Out, self.raises, self.busy = RequestOutput, dict(raises or {}), busy
+        self.requests, self.done, self.num_steps, self.num_preemptions, self.callback_errors = {}, [], 0, 0, {}
+
+    def _maybe_raise(self, rid, what):
+        if self.raises.get(rid, (None,))[0] == what:
+            raise self.raises[rid][1]
+
+    def validate(self, prompt, params=None):
+        return list(prompt)
+
+    def admit(self, ids, params=None, *, rid, export=False, **kw):
+        self._maybe_raise(rid, "submit")
+        self.requests[rid] = False  # awaiting a handoff?
+        return rid
+
+    def admit_prefilled(self, ids, params=None, *, rid, on_reserved=None, **kw):
+        self._maybe_raise(rid, "submit")
+        self.requests[rid] = True
+        return rid
+
+    def deliver(self, rid, handoff):
+        self._maybe_raise(rid, "deliver")
+        self.requests[rid] = False
+        return True
+
+    def abort(self, rid):
+        self._maybe_raise(rid, "abort")
+        if self.requests.pop(rid, None) is None:
+            return False
+        self.done.append(rid)
+        return True
+
+    def has_unfinished(self):
+        return self.busy or any(not w for w in self.requests.values())
+
+    def has_owed_outputs(self):
+        return bool(self.done)
+
+    def step(self):
+        outs = [self.Out(r, [], [], True, "abort", None, 1, 0) for r in self.done]
+        self.done = []
+        for rid in [r for r, w in self.requests.items() if not w]:
+            del self.requests[rid]
+            self.num_steps += 1
+            outs.append(self.Out(rid, [7], [7], True, "length", None, 1, 1))
+        return outs
+
+    def stats(self):
+        return {}
+
+
+def test_engine_thread_fails_only_the_message_that_raised():
+    """A submit, deliver or abort whose engine call raises (not a RequestError: a bug, e.g.
+    the P/D prefill's ``min_new_tokens`` clamp of issue #32) fails its own request with
+    INTERNAL; the thread, and every other request, go on."""
+    from k3serve.server.api.engine_thread import EngineThread
+    from k3serve.server.engine.request import RequestError
+
+    eng = _FakeEngine(raises={"s": ("submit", ValueError("min_new_tokens > max_new_tokens")),
+                              "d": ("deliver", KeyError("slot")), "a": ("abort", RuntimeError("pool"))})
+    loop = EngineThread(eng)
+    try:
+        bad = {r: loop.submit([1, 2], rid=r, **({"on_reserved": print} if r != "s" else {})) for r in "sda"}
+        t = time.monotonic() + 10
+        while not (bad["a"].admitted and bad["d"].admitted) and time.monotonic() < t:
+            time.sleep(0.01)  # else the abort never reaches the engine
+        loop.deliver("d", object())
+        bad["a"].abort()
+        for r, h in bad.items():
+            with pytest.raises(RequestError) as e:
+                list(h.outputs())
+            assert e.value.code == "INTERNAL" and f"request {r!r} failed" in str(e.value), e.value
+        good = loop.submit([1, 2], rid="ok")
+        assert [o.token_ids for o in good.outputs()] == [[7]]
+        assert loop.error is None and loop.accepting and set(eng.requests) == {"a"}  # "a" could not be aborted
+    finally:
+        loop.stop()
+
+
+def test_engine_thread_waits_for_messages_while_nothing_can_move():
+    """Every slot held by P/D reservations waiting for their handoffs, requests queued: the
+    engine has work but a step moves nothing. The thread then waits on its inbox (a message
+    wakes it at once) instead of stepping in a busy loop (issue #32)."""
+    from k3serve.server.api.engine_thread import EngineThread
+
+    eng = _FakeEngine(busy=True)
+    loop = EngineThread(eng)
+    try:
+        time.sleep(0.2)
+        n0 = loop.num_steps
+        time.sleep(1.0)
+        steps = loop.num_steps - n0
+        assert steps < 100, f"{steps} empty steps in a second"
+        t = time.monotonic()
+        h = loop.submit([1], rid="wake")
+        assert [o.token_ids for o in h.outputs()] == [[7]] and time.monotonic() - t < 0.5
+    finally:
+        loop.stop()

@@ -166,3 +166,39 @@ def test_handoff_is_checked(engines):
     with pytest.raises(RequestError, match="covers"):
         engines["decode"].admit_prefilled(p + [1], SamplingParams(), h, rid="dc")
     assert "dc" not in engines["decode"].requests
+
+
+def test_min_tokens_and_stops_on_the_prefill_leg(engines):
+    """smg sends the decode's settings to both legs: ``min_new_tokens`` above one and stop
+    strings/ids must not break the 1-token export (issue #32). The prefill still honours
+    ``min_new_tokens`` for its one token (the first token may not be a stop id), so P/D equals
+    unified."""
+    prompts = _prompts()[1:2]  # two pages exactly
+    free = _unified(engines, prompts, SamplingParams(max_new_tokens=1, temperature=0))
+    firsts = tuple(o.token_ids[0] for o in free)  # what each prompt would sample first unconstrained
+    params = SamplingParams(max_new_tokens=9, min_new_tokens=3, temperature=0, stop=("zz",), stop_token_ids=firsts)
+    want = _unified(engines, prompts, params)
+    pre_outs, got = _pd(engines, prompts, params)
+    for w, g, p, f in zip(want, got, pre_outs, firsts):
+        assert p.token_ids[0] != f  # suppressed on the prefill, as on the unified engine
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+    for eng in engines.values():
+        assert_all_free(eng)
+
+
+def test_a_failing_reservation_callback_ends_only_its_request(engines):
+    """``on_reserved`` runs after the step: one that raises aborts its request (the error kept
+    for the caller) and the engine is not broken."""
+    dec = engines["decode"]
+    params = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
+    p = _prompts()[0]
+
+    def boom(rid):
+        raise RuntimeError("the pull pool is shut down")
+
+    dec.admit_prefilled(p, params, rid="cb-bad", on_reserved=boom)
+    ok = dec.add_request(p, params, rid="cb-ok")
+    outs = {o.rid: o for o in run_to_end(dec, ["cb-bad", "cb-ok"])}
+    assert dec.broken is None and isinstance(dec.callback_errors.pop("cb-bad"), RuntimeError)
+    assert outs["cb-bad"].finish_reason == "abort" and len(outs[ok].token_ids) == 3
+    assert_all_free(dec)

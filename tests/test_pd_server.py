@@ -23,6 +23,7 @@ from k3serve.server.pd.decode import DecodeSide
 from k3serve.server.pd.prefill import PrefillSide
 
 CASE = "k3-tiny-a"
+SECRET = b"test-cluster-secret-0123456789"  # both sides share it: every handoff here is authenticated
 
 
 def _engine():  # as test_engine.py / test_grpc_server.py: the compiled programs are shared
@@ -37,10 +38,10 @@ class Server:
         self.server = GrpcServer(self.servicer, host="127.0.0.1", port=0)
         self.side = None
         if role == "prefill":
-            self.side = self.servicer.pd_prefill = PrefillSide(self.loop.engine, host="127.0.0.1",
+            self.side = self.servicer.pd_prefill = PrefillSide(self.loop.engine, host="127.0.0.1", secret=SECRET,
                                                                bootstrap_port=bootstrap_port, wait_s=wait_s, stage_s=20)
         elif role == "decode":
-            self.side = self.servicer.pd_decode = DecodeSide(self.loop.engine, await_s=30, transfer_s=20)
+            self.side = self.servicer.pd_decode = DecodeSide(self.loop.engine, await_s=30, transfer_s=20, secret=SECRET)
         self.server.set_ready(self.loop)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.port}")
         self.stub = pb_grpc.SglangSchedulerStub(self.channel)
@@ -216,5 +217,155 @@ def test_replayer_dual_dispatch(pd):
                  prefill_target=f"127.0.0.1:{pd['prefill'].server.port}", bootstrap_port=pd["prefill"].side.port)
     assert res["ok"] == 2 and res["failed"] == 0 and res["completion_tokens"] == 7
     assert dec.handoffs == before + 2
+    for s in pd.values():
+        s.check_free()
+
+
+def test_min_tokens_on_the_prefill_leg(pd):
+    """smg sends ``min_new_tokens`` to both legs: the prefill honours it for its one token and
+    serves on (issue #32: the 1-token clamp raised and the engine thread died)."""
+    ids = _prompts()[1]
+    first = _collect(pd["unified"].stub, _req(ids, "mt-free", temperature=0, max_new=1))[1].output_ids[0]
+    sp = dict(temperature=0, min_new_tokens=3, stop_token_ids=[first])
+    want = _collect(pd["unified"].stub, _req(ids, "mt-u", **sp))[1]
+    (_, pdone), (_, ddone) = _dual(pd, _req(ids, "mt-pd", room=21, port=pd["prefill"].side.port, **sp))
+    assert list(pdone.output_ids) == list(want.output_ids[:1]) != [first]
+    assert list(ddone.output_ids) == list(want.output_ids)
+    for s in pd.values():
+        s.check_free()
+
+
+def test_a_late_decode_gets_the_prefills_failure_at_once(pd):
+    """A prefill that refused a request (here: at validation) or gave up waiting for its
+    decode leaves a tombstone: the decode that comes later fails at once with that status
+    instead of holding its reservation for its whole wait (issue #32)."""
+    pre, port = pd["prefill"], pd["prefill"].side.port
+    ids = _prompts()[0]
+    with pytest.raises(grpc.RpcError) as e:
+        _collect(pre.stub, _req(ids, "late-1", max_new=1000, room=31, port=port))
+    assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    pre.side.wait_s = 0.5
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            _collect(pre.stub, _req(ids, "late-2", room=32, port=port))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        pre.side.wait_s = 30.0
+    for rid, room, code in (("late-1", 31, grpc.StatusCode.OUT_OF_RANGE), ("late-2", 32, grpc.StatusCode.UNAVAILABLE)):
+        t = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            _collect(pd["decode"].stub, _req(ids, rid, room=room, port=port), timeout=15)
+        assert e.value.code() == code and "refused or gave up" in e.value.details()
+        assert time.monotonic() - t < 5
+    for s in pd.values():
+        s.check_free()
+
+
+def test_decode_reservations_waiting_idle_the_engine_and_count_down(pd):
+    """Every decode slot held by a reservation whose prefill has not started, one more request
+    queued: the decode's engine thread waits instead of spinning, GetLoads counts the queued
+    one in ``decode_prealloc_queue_reqs`` and stops counting it once it is cancelled (issue
+    #32: the count only ever grew); cancelling the rest frees everything."""
+    dec, port = pd["decode"], pd["prefill"].side.port
+    ids = _prompts()[0]
+    calls = [dec.stub.Generate(_req(ids, f"hold-{i}", room=40 + i, port=port), timeout=60) for i in range(5)]
+
+    def load():
+        return dec.stub.GetLoads(pb.GetLoadsRequest()).loads[0].disaggregation
+
+    try:
+        deadline = time.monotonic() + 20
+        while (load().decode_transfer_queue_reqs, load().decode_prealloc_queue_reqs) != (4, 1):
+            assert time.monotonic() < deadline, load()
+            time.sleep(0.05)
+        n0 = dec.loop.num_steps
+        time.sleep(1.0)
+        assert dec.loop.num_steps - n0 < 100, f"{dec.loop.num_steps - n0} engine steps in a second"
+        calls[4].cancel()
+        deadline = time.monotonic() + 10
+        while load().decode_prealloc_queue_reqs != 0:
+            assert time.monotonic() < deadline, "decode_prealloc_queue_reqs stayed up after the cancel"
+            time.sleep(0.05)
+    finally:
+        for c in calls:
+            c.cancel()
+    deadline = time.monotonic() + 20
+    while load().decode_transfer_queue_reqs or dec.loop.stats()["running"] or len(pd["prefill"].side.rooms):
+        assert time.monotonic() < deadline, load()
+        time.sleep(0.1)
+    for s in pd.values():
+        s.check_free()
+
+
+def test_bootstrap_calls_prove_the_cluster_secret(pd):
+    """Without a proof, with another secret's, or replayed: UNAUTHENTICATED and no room is
+    made. A decode holding another secret fails its request FAILED_PRECONDITION and the pair
+    serves on. (Every other P/D test here runs with the right secret.)"""
+    from k3serve.server.pd import bootstrap_pb2 as bpb
+    from k3serve.server.pd import bootstrap_pb2_grpc as bpb_grpc
+    from k3serve.server.pd.auth import BootstrapAuth
+    from k3serve.server.pd.layout import cache_layout
+
+    pre = pd["prefill"]
+    stub = bpb_grpc.BootstrapStub(grpc.insecure_channel(f"127.0.0.1:{pre.side.port}"))
+    layout = cache_layout(pd["decode"].loop.engine)
+    reg = bpb.RegisterRequest(decode_id="probe", layout=layout)
+    wait = bpb.AwaitHandoffRequest(decode_id="probe", bootstrap_room=50, request_id="probe", prompt_len=3, layout=layout)
+    rel = bpb.ReleaseRequest(bootstrap_room=50, request_id="probe")
+    wrong = BootstrapAuth(b"another-secret-0123456789")
+    for call, req, name in ((stub.Register, reg, "Register"), (stub.AwaitHandoff, wait, "AwaitHandoff"),
+                            (stub.Release, rel, "Release")):
+        for md in ((), wrong.metadata(name, req)):
+            with pytest.raises(grpc.RpcError) as e:
+                call(req, timeout=5, metadata=md)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
+    assert len(pre.side.rooms) == 0
+    right = BootstrapAuth(SECRET)
+    md = right.metadata("Register", reg)
+    assert stub.Register(reg, timeout=5, metadata=md).compatible
+    with pytest.raises(grpc.RpcError) as e:  # the same proof again
+        stub.Register(reg, timeout=5, metadata=md)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    dec = pd["decode"].side
+    ids = _prompts()[0]
+    dec.auth, pre.side.wait_s = wrong, 1.0
+    try:
+        prefill_leg, decode_leg = _dual(pd, _req(ids, "bad-secret", room=51, port=pre.side.port))
+    finally:
+        dec.auth, pre.side.wait_s = right, 30.0
+    assert isinstance(decode_leg, grpc.RpcError) and decode_leg.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert isinstance(prefill_leg, grpc.RpcError) and prefill_leg.code() == grpc.StatusCode.UNAVAILABLE
+    want = _collect(pd["unified"].stub, _req(ids, "secret-u", temperature=0))[1]
+    _, (_, ddone) = _dual(pd, _req(ids, "secret-ok", temperature=0, room=52, port=pre.side.port))
+    assert list(ddone.output_ids) == list(want.output_ids)
+    for s in pd.values():
+        s.check_free()
+
+
+def test_handoffs_over_the_memory_bound_are_refused(pd):
+    """A handoff larger than the whole ``--pd-handoff-memory-gb``: on the prefill, both legs
+    fail RESOURCE_EXHAUSTED before anything is computed; on the decode, its request does (the
+    prefill leg then finds no decode). GetLoads reports the memory set aside. Nothing leaks."""
+    pre, dec, port = pd["prefill"].side, pd["decode"].side, pd["prefill"].side.port
+    ids = _prompts()[2]
+    steps = pd["prefill"].loop.engine.num_steps
+    pre.budget.limit = 1000
+    try:
+        prefill_leg, decode_leg = _dual(pd, _req(ids, "big-1", room=61, port=port))
+    finally:
+        pre.budget.limit = None
+    for leg in (prefill_leg, decode_leg):
+        assert isinstance(leg, grpc.RpcError) and leg.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, leg
+        assert "handoff memory" in leg.details()
+    assert pd["prefill"].loop.engine.num_steps == steps  # nothing computed
+    dec.budget.limit, pre.wait_s = 1000, 1.0
+    try:
+        prefill_leg, decode_leg = _dual(pd, _req(ids, "big-2", room=62, port=port))
+    finally:
+        dec.budget.limit, pre.wait_s = None, 30.0
+    assert isinstance(decode_leg, grpc.RpcError) and decode_leg.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert isinstance(prefill_leg, grpc.RpcError) and prefill_leg.code() == grpc.StatusCode.UNAVAILABLE
+    assert pre.budget.in_use == 0 and dec.budget.in_use == 0
+    assert pd["decode"].stub.GetLoads(pb.GetLoadsRequest()).loads[0].memory.kv_cache_gb > 0
     for s in pd.values():
         s.check_free()

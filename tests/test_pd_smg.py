@@ -35,6 +35,7 @@ pytestmark = [pytest.mark.skipif(SMG is None, reason="smg (dev extra) is not ins
 FLAGS = ["--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--chunk-size", "32", "--page-size", "16",
          "--max-model-len", "256"]
 ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=64, chunk_size=32, page_size=16, max_model_len=256)
+SECRET = b"smg-test-cluster-secret-0123"
 
 
 class Local:
@@ -50,7 +51,8 @@ class Local:
         self.loop = EngineThread(Engine(load_pretrained(ckpt), detokenizer=tok.detokenizer, **ENGINE))
         self.servicer = Servicer(model_dir=ckpt)
         self.server = GrpcServer(self.servicer, host="127.0.0.1", port=0)
-        self.side = self.servicer.pd_decode = DecodeSide(self.loop.engine, transfer_s=10) if role == "decode" else None
+        self.side = self.servicer.pd_decode = DecodeSide(self.loop.engine, transfer_s=10, secret=SECRET) \
+            if role == "decode" else None
         self.server.set_ready(self.loop)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.port}")
         self.stub = pb_grpc.SglangSchedulerStub(self.channel)
@@ -116,7 +118,8 @@ def stack(tmp_path_factory, cache_home):
     tok = load_tokenizer(ckpt)
     # the server processes share this session's compilation cache: the unified engine's warm-up
     # compiles what their warm-ups load
-    env = dict(os.environ, K3SERVE_CACHE=cache_home)
+    # ... and one cluster secret: every bootstrap call below is authenticated
+    env = dict(os.environ, K3SERVE_CACHE=cache_home, K3SERVE_CLUSTER_SECRET=SECRET.decode())
     made, router, log = [], None, open(tmp_path_factory.mktemp("smg") / "smg.log", "w+")
     try:
         uni = Local(ckpt, tok, "unified")
@@ -152,17 +155,17 @@ def stack(tmp_path_factory, cache_home):
         log.close()
 
 
-def _gen(stub, ids, max_new, rid=None, room=None, boot=None):
+def _gen(stub, ids, max_new, rid=None, room=None, boot=None, **sp):
     req = pb.GenerateRequest(request_id=rid or f"u-{time.monotonic_ns()}", tokenized=pb.TokenizedInput(input_ids=ids),
-                             stream=False, sampling_params=pb.SamplingParams(max_new_tokens=max_new))
+                             stream=False, sampling_params=pb.SamplingParams(max_new_tokens=max_new, **sp))
     if room is not None:
         req.disaggregated_params.CopyFrom(pb.DisaggregatedParams(bootstrap_host="127.0.0.1", bootstrap_port=boot,
                                                                  bootstrap_room=room))
     return [r.complete for r in stub.Generate(req, timeout=120)][-1]
 
 
-def _unified(stack, ids, max_new):
-    return list(_gen(stack["uni"].stub, ids, max_new).output_ids)
+def _unified(stack, ids, max_new, **sp):
+    return list(_gen(stack["uni"].stub, ids, max_new, **sp).output_ids)
 
 
 def _until(cond, timeout, what=""):
@@ -191,10 +194,13 @@ def test_completions_through_smg_pd_equal_unified(stack):
     assert r["usage"]["prompt_tokens"] == len(ids) and r["usage"]["completion_tokens"] == len(want)
     ev = _post(stack["base"] + "/v1/completions", {**body, "stream": True}, stream=True)
     assert "".join(e["choices"][0].get("text", "") for e in ev if e.get("choices")) == want_text
-    # a second turn over the first: the prefill's prefix cache serves the shared part
+    # a second turn over the first: the prefill's prefix cache serves the shared part; with
+    # min_tokens and a stop string, which smg sends to the prefill leg too (issue #32)
     prompt2 = prompt + want_text + "\n        print(name)"
-    want2 = _unified(stack, tok.encode(prompt2), 8)
-    r2 = _post(stack["base"] + "/v1/completions", {**body, "prompt": prompt2, "max_tokens": 8})
+    stop = ["<|no such text|>"]
+    want2 = _unified(stack, tok.encode(prompt2), 8, min_new_tokens=3, stop=stop)
+    r2 = _post(stack["base"] + "/v1/completions", {**body, "prompt": prompt2, "max_tokens": 8, "min_tokens": 3,
+                                                   "stop": stop})
     assert r2["choices"][0]["text"] == tok.decode(want2, skip_special_tokens=True)
     assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     # it went the P/D way: the prefill handed over, the decode computed no prompt token

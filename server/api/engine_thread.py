@@ -34,6 +34,8 @@ from typing import Callable, Iterator
 from ..engine.request import RequestError, RequestOutput
 from ..engine.sampling_params import SamplingParams
 
+IDLE_WAIT_S = 0.05  # after a step that moved nothing, wait this long for a message before stepping again
+
 
 class ShuttingDown(RequestError):
     code = "UNAVAILABLE"
@@ -44,6 +46,13 @@ class EngineLost(RequestError):
     UNAVAILABLE — the request may succeed once the deployment is back."""
 
     code = "UNAVAILABLE"
+
+
+class RequestFailed(RequestError):
+    """An engine call for one request raised something other than a ``RequestError`` (a bug
+    or a failing callback): that request ends with gRPC INTERNAL, the engine serves on."""
+
+    code = "INTERNAL"
 
 
 class EngineFailed(RequestError):
@@ -251,9 +260,10 @@ class EngineThread:
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         eng = self.engine
+        idle = False  # the last step launched nothing and output nothing: wait for a message a while
         try:
             while True:
-                self._drain_inbox(block=not eng.has_unfinished())
+                self._drain_inbox(block=not eng.has_unfinished(), timeout=IDLE_WAIT_S if idle else None)
                 if self._stop:
                     for h in self._open_handles():  # the engine may be stepped again by another thread
                         if h.admitted:
@@ -263,11 +273,17 @@ class EngineThread:
                 if not (owed or eng.has_unfinished() or eng.has_owed_outputs()):
                     self._publish()
                     continue
+                launched, preempted = eng.num_steps, eng.num_preemptions
                 outs = eng.step()
                 self.num_steps += 1
+                self._fail_callbacks()
                 now = time.monotonic()
                 for out in outs:
                     self._deliver(out, now)
+                # e.g. every slot held by P/D reservations waiting for their handoffs while requests
+                # queue: nothing moves until a message (deliver, abort) comes
+                idle = not outs and eng.num_steps == launched and eng.num_preemptions == preempted \
+                    and not eng.has_owed_outputs()
                 self._publish()
         except BaseException as e:  # the engine broke: fail every caller, refuse new work
             if self.error is not None:  # already failed from outside (``fail``)
@@ -290,10 +306,15 @@ class EngineThread:
         finally:
             self._close()
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, block: bool, timeout: float | None = None) -> None:
+        """Take every message posted; ``block``: wait for one first; else ``timeout``: wait up
+        to that long for one."""
         self._msgs = []
-        if block:
-            self._msgs.append(self._inbox.get())
+        if block or timeout is not None:
+            try:
+                self._msgs.append(self._inbox.get(timeout=None if block else timeout))
+            except queue.Empty:
+                pass
         while True:
             try:
                 self._msgs.append(self._inbox.get_nowait())
@@ -304,50 +325,82 @@ class EngineThread:
 
     def _apply(self) -> bool:
         """Apply the drained messages, in order, on the engine thread; True if an abort was
-        applied (its final output is still owed)."""
-        eng = self.engine
+        applied (its final output is still owed). A message whose engine call raises fails
+        its own request (its ``RequestError``, else ``RequestFailed``) and nothing else: the
+        engine's mutating calls between steps either complete or leave it as it was."""
         owed = False
         for kind, h, arg in self._msgs:
-            if kind == "submit":
-                if h.abort_requested:  # aborted before it ever reached the engine
-                    self._deliver(_final(h), time.monotonic())
-                    continue
-                ids, params, priority, salt, key, export, on_reserved = arg
-                try:
-                    if on_reserved is not None:
-                        eng.admit_prefilled(ids, params, rid=h.rid, priority=priority, cache_salt=salt, api_key=key,
-                                            on_reserved=on_reserved)
-                    else:
-                        eng.admit(ids, params, rid=h.rid, priority=priority, cache_salt=salt, api_key=key,
-                                  export=export)
-                except RequestError as e:
-                    self._fail(h, e)
-                    continue
-                h.admitted = True
-                h.admit_step = self.num_steps
-            elif kind == "abort":
+            # the engine holds this handle's request (a submit that raised half-way included), not
+            # another one of the same id
+            ours = kind in ("abort", "deliver") and h.admitted or kind == "submit" and h.rid not in self.engine.requests
+            try:
+                owed = self._apply_one(kind, h, arg) or owed
+            except Exception as e:  # noqa: BLE001 - this message's failure, not the engine's
+                owed = self._fail_message(h, e, free=ours) or owed
+        self._msgs = []
+        return owed
+
+    def _apply_one(self, kind: str, h, arg) -> bool:
+        eng = self.engine
+        if kind == "submit":
+            if h.abort_requested:  # aborted before it ever reached the engine
+                self._deliver(_final(h), time.monotonic())
+                return False
+            ids, params, priority, salt, key, export, on_reserved = arg
+            if on_reserved is not None:
+                eng.admit_prefilled(ids, params, rid=h.rid, priority=priority, cache_salt=salt, api_key=key,
+                                    on_reserved=on_reserved)
+            else:
+                eng.admit(ids, params, rid=h.rid, priority=priority, cache_salt=salt, api_key=key, export=export)
+            h.admitted = True
+            h.admit_step = self.num_steps
+        elif kind == "abort":
+            owed = False
+            try:
                 if h.admitted and not h.finished and eng.abort(h.rid):
                     h.freed_step = self.num_steps
                     owed = True
+            finally:
                 if arg is not None:  # fail_request: the caller gets this error, not an abort
                     self._fail(h, arg)
-            elif kind == "deliver":
-                if h.admitted and not h.finished:
-                    try:
-                        eng.deliver(h.rid, arg)
-                    except RequestError as e:
-                        eng.abort(h.rid)
-                        owed = True
-                        self._fail(h, e)
-            elif kind == "call":
-                try:
-                    res = (True, h(eng))
-                except Exception as e:
-                    res = (False, e)
-                self._publish()  # the caller sees the call's effect in stats() at once
-                arg.put(res)
-        self._msgs = []
+            return owed
+        elif kind == "deliver":
+            if h.admitted and not h.finished:
+                eng.deliver(h.rid, arg)
+        elif kind == "call":
+            try:
+                res = (True, h(eng))
+            except Exception as e:
+                res = (False, e)
+            self._publish()  # the caller sees the call's effect in stats() at once
+            arg.put(res)
+        return False
+
+    def _fail_message(self, h, err: Exception, free: bool) -> bool:
+        """``h``'s message raised ``err``: end that request alone (freed in the engine if it
+        got there) with ``err`` if it is a ``RequestError``, else ``RequestFailed``. True if
+        the engine owes a final output for it."""
+        if not isinstance(err, RequestError):
+            print(f"k3serve: request {h.rid!r} failed on the engine thread: {err!r}", file=sys.stderr, flush=True)
+            traceback.print_exc()
+            err = RequestFailed(f"request {h.rid!r} failed: {err!r}")
+        owed = False
+        try:
+            owed = self.engine.abort(h.rid) if free else False
+        except Exception:  # noqa: BLE001 - already failing: the caller gets the first error
+            traceback.print_exc()
+        self._fail(h, err)
         return owed
+
+    def _fail_callbacks(self) -> None:
+        """Requests whose ``on_reserved`` raised in the last step (the engine aborted them)."""
+        errs = getattr(self.engine, "callback_errors", None)
+        while errs:
+            rid, e = errs.popitem()
+            h = self.handle(rid)
+            if h is not None:
+                print(f"k3serve: the reservation callback of {rid!r} failed: {e!r}", file=sys.stderr, flush=True)
+                self._fail(h, e if isinstance(e, RequestError) else RequestFailed(f"request {rid!r} failed: {e!r}"))
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
         with self._lock:

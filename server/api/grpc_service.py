@@ -246,14 +246,15 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
                 eng.validate(ids, params)
                 room = prefill.wait_for_decode((dparams.bootstrap_room, rid), context)
                 prefill.check_registration(room, ids)
+                prefill.reserve_memory(room, ids, context)  # the staged handoff's bytes (--pd-handoff-memory-gb)
                 handle = loop.submit(ids, params, export=True, **kw)
             elif dparams is not None and self.pd_decode is not None:  # P/D decode: continue from the handoff
                 handle = self.pd_decode.submit(loop, ids, params, dparams=dparams, **kw)
             else:
                 handle = loop.submit(ids, params, **kw)
         except RequestError as e:
-            if room is not None:
-                prefill.rooms.fail(room.key, e)
+            if prefill is not None:  # its decode, waiting or still to come, gets this error at once
+                prefill.reject((dparams.bootstrap_room, rid), e)
             if self.metrics is not None:
                 self.metrics.rejected(e.code)
             context.abort(_status(e.code), str(e))
@@ -408,7 +409,10 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
             max_running_requests=max_seqs, utilization=running / max(1, max_seqs), cache_hit_rate=hit_rate,
             num_waiting_uncached_tokens=st["waiting_uncached_tokens"])
         if self.pd_prefill is not None or self.pd_decode is not None:
-            load.disaggregation.CopyFrom(self._disaggregation_metrics())
+            load.disaggregation.CopyFrom(self._disaggregation_metrics(st))
+        plan = eng.capacity_plan  # the KV pools plus the memory set aside for P/D handoffs
+        load.memory.CopyFrom(pb.MemoryMetrics(kv_cache_gb=(plan.total_bytes + plan.handoff_bytes) / 2**30,
+                                              token_capacity=st["max_tokens_in_kv"]))
         agg = pb.AggregateMetrics(total_running_reqs=running, total_waiting_reqs=waiting,
                                   total_reqs=running + waiting, avg_token_usage=used / cap,
                                   avg_utilization=load.utilization)
@@ -423,10 +427,12 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
             return {"disaggregation_mode": "decode", "disaggregation_transfer_backend": "jax-transfer"}
         return {"disaggregation_mode": "null"}
 
-    def _disaggregation_metrics(self) -> "pb.DisaggregationMetrics":
+    def _disaggregation_metrics(self, st: dict) -> "pb.DisaggregationMetrics":
         """SGLang's queues, mapped: prefill — rooms waiting for their decode (prealloc) and
-        rooms computing or staged (inflight); decode — requests waiting for a reservation
-        (prealloc) and reserved requests whose handoff is on its way (transfer)."""
+        rooms computing or staged (inflight); decode — P/D requests in the engine still
+        waiting for a reservation (prealloc, from the engine's last snapshot, so it falls as
+        they are reserved, finish or are aborted) and reserved requests whose handoff is on its
+        way (transfer, those waiting for handoff memory included)."""
         m = pb.DisaggregationMetrics()
         if self.pd_prefill is not None:
             rooms = self.pd_prefill.rooms
@@ -435,7 +441,7 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         if self.pd_decode is not None:
             d = self.pd_decode
             m.mode = "decode"
-            m.decode_prealloc_queue_reqs, m.decode_transfer_queue_reqs = d.waiting, d.transferring
+            m.decode_prealloc_queue_reqs, m.decode_transfer_queue_reqs = st.get("waiting_prefilled", 0), d.transferring
             if d.transfer_time_s > 0:
                 m.kv_transfer_speed_gb_s = d.bytes_received / d.transfer_time_s / 1e9
             m.kv_transfer_latency_ms = d.last_latency_s * 1e3

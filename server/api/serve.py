@@ -31,6 +31,9 @@ def serve(args) -> int:
     import threading
 
     enable_compile_cache()
+    pd_secret = _pd_secret(args)  # before anything is loaded: an open bootstrap service off loopback is refused
+    if isinstance(pd_secret, int):
+        return pd_secret
     path = model_or_demo(args.model)
     cluster = None
     if getattr(args, "num_processes", None) or getattr(args, "distributed", None):
@@ -108,7 +111,7 @@ def serve(args) -> int:
     pd = None
     if not stop.is_set() and getattr(args, "role", "unified") != "unified":
         try:
-            pd = attach_pd(servicer, loop.engine, args)
+            pd = attach_pd(servicer, loop.engine, args, secret=pd_secret)
         except (OSError, ValueError) as e:
             print(f"k3serve: cannot serve as {args.role}: {e}", file=sys.stderr, flush=True)
             server.server.stop(0)
@@ -131,21 +134,55 @@ def serve(args) -> int:
     return code
 
 
-def attach_pd(servicer, engine, args):
+def _pd_secret(args):
+    """The cluster secret for the P/D bootstrap (None: none given), or an exit status when the
+    server must not start: an unreadable secret, or a prefill whose bootstrap service would
+    bind a non-loopback address without one."""
+    if getattr(args, "role", "unified") == "unified":
+        return None
+    from ..pd.auth import check_bind
+    from ..shared_secret import SecretError, load_secret
+
+    try:
+        secret = load_secret(getattr(args, "cluster_secret_file", None))
+        if args.role == "prefill":
+            check_bind(args.host, secret)
+    except (SecretError, ValueError) as e:
+        print(f"k3serve: cannot serve as {args.role}: {e}", file=sys.stderr, flush=True)
+        return 2
+    return secret
+
+
+def pd_handoff_bytes(args) -> int:
+    """``--pd-handoff-memory-gb`` in bytes on a P/D server (0 on a unified one)."""
+    if getattr(args, "role", "unified") == "unified":
+        return 0
+    return int(getattr(args, "pd_handoff_memory_gb", 0) * (1 << 30))
+
+
+def attach_pd(servicer, engine, args, secret: bytes | None = None):
     """Make the servicer a P/D prefill (bootstrap service on ``--bootstrap-port``) or decode
     server (``--role``); returns the side, to stop at exit."""
     if engine.dispatch.num_processes > 1:
         raise ValueError("P/D roles need a one-process engine for now (a --recipe over this process's devices)")
+    handoff = pd_handoff_bytes(args) or None
+    from ..pd.budget import bound_warning
+
+    why = bound_warning(engine, handoff)
+    if why is not None:
+        print(f"k3serve: warning: {why}", file=sys.stderr, flush=True)
     if args.role == "prefill":
         from ..pd.prefill import PrefillSide
 
         side = servicer.pd_prefill = PrefillSide(engine, host=args.host, bootstrap_port=args.bootstrap_port,
-                                                 wait_s=args.pd_wait, stage_s=args.pd_transfer_timeout)
+                                                 wait_s=args.pd_wait, stage_s=args.pd_transfer_timeout,
+                                                 secret=secret, handoff_bytes=handoff)
         print(f"k3serve: P/D prefill: bootstrap on {args.host}:{side.port}, transfer {side.transfer.address}", flush=True)
     else:
         from ..pd.decode import DecodeSide
 
-        side = servicer.pd_decode = DecodeSide(engine, host=args.host, transfer_s=args.pd_transfer_timeout)
+        side = servicer.pd_decode = DecodeSide(engine, host=args.host, transfer_s=args.pd_transfer_timeout,
+                                               secret=secret, handoff_bytes=handoff)
         print(f"k3serve: P/D decode: transfer {side.transfer.address}", flush=True)
     return side
 
@@ -209,7 +246,7 @@ def build_engine(args, path, dispatch=None):
                  chunk_size=args.chunk_size, page_size=args.page_size, max_model_len=args.max_model_len,
                  bucket_growth=args.bucket_growth,
                  detokenizer=detok, async_scheduling=not args.sync, recipe=args.recipe,
-                 dispatch=dispatch, **prefix_kwargs(args), **kv)
+                 dispatch=dispatch, pd_handoff_bytes=pd_handoff_bytes(args), **prefix_kwargs(args), **kv)
     return eng
 
 

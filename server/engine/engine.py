@@ -56,7 +56,7 @@ class Engine:
                  enable_prefix_caching: bool = True, prefix_unit: int | None = None, prefix_interval: int = 0,
                  prefix_second_hit: bool = True, prefix_output_end: bool = True,
                  prefix_snapshots: int | None = None, prefix_cache_bytes: int | None = None,
-                 prefix_host_bytes: int = 1 << 30, bucket_growth: int = 8, dispatch=None):
+                 prefix_host_bytes: int = 1 << 30, bucket_growth: int = 8, dispatch=None, pd_handoff_bytes: int = 0):
         from .dispatch import LocalDispatch
 
         cfg = model.config
@@ -101,7 +101,8 @@ class Engine:
             raise ValueError("prefix caching needs prefix_snapshots >= 1")
         self.capacity_plan = plan_capacity(cfg, page_size=page_size, dtype=model.dtype, kv_memory_bytes=kv_memory_bytes,
                                   max_num_seqs=max_num_seqs, num_pages=num_pages, dp=dp, dcp=dcp,
-                                  snapshot_slots=prefix_snapshots if enable_prefix_caching else 0)
+                                  snapshot_slots=prefix_snapshots if enable_prefix_caching else 0,
+                                  handoff_bytes=pd_handoff_bytes)
         self.cache_mgr = CacheManager(cfg, self.capacity_plan, model.dtype, allocate=self.par is None,
                                       dispatch=self.dispatch)
         if self.par is not None:  # allocated straight into its shards
@@ -132,6 +133,8 @@ class Engine:
         self._owed: dict[str, Request] = {}  # finished outside a step (abort): final output owed
         self._fresh: dict[str, Request] = {}  # got tokens outside a step (a P/D handoff): output owed
         self._on_reserved: dict[str, Callable[[str], None]] = {}  # P/D decode: rid -> callback
+        self._reserved_calls: list[tuple[Request, Callable[[str], None]]] = []  # run after the step
+        self.callback_errors: dict[str, Exception] = {}  # rid -> what its on_reserved raised (taken by the caller)
         self.warmup_s = 0.0
         self.num_steps = 0
         self.num_preemptions = 0
@@ -190,7 +193,7 @@ class Engine:
         ``handoff.py``): generate one token, then hand the cache over on the final output."""
         params = params if params is not None else SamplingParams()
         if export:
-            params = dataclasses.replace(params, max_new_tokens=1)
+            params = prefill_leg_params(params)
         return self._queue(ids, params, rid, priority, cache_salt, api_key, export=export)
 
     def admit_prefilled(self, ids: list[int], params: SamplingParams | None, handoff=None, *, rid: str,
@@ -299,12 +302,28 @@ class Engine:
                               "half-updated and cannot be stepped again (build a new Engine)")
         t0 = time.perf_counter()
         try:
-            return self._step()
+            outputs = self._step()
         except BaseException as e:
             self.broken = e
             raise
         finally:
             self.step_s += time.perf_counter() - t0
+        self._run_reserved_calls()
+        return outputs
+
+    def _run_reserved_calls(self) -> None:
+        """``on_reserved`` callbacks of this step's reservations, run after the step so that one
+        that raises cannot leave the step half-done: its request alone is aborted (its final
+        output is owed to the next step) and the error kept in ``callback_errors``."""
+        calls, self._reserved_calls = self._reserved_calls, []
+        for req, cb in calls:
+            if req.finished:
+                continue
+            try:
+                cb(req.rid)
+            except Exception as e:  # noqa: BLE001 - the callback's failure is its request's alone
+                self.callback_errors[req.rid] = e
+                self._finish(req, "abort")
 
     def _step(self) -> list[RequestOutput]:
         # requests aborted since the last step still owe their final output
@@ -315,7 +334,7 @@ class Engine:
             if req.prefilled is not None:
                 self._take_handoff(req)
             elif cb is not None:
-                cb(req.rid)
+                self._reserved_calls.append((req, cb))
         touched.update(self._fresh)
         self._fresh.clear()
         self.num_preemptions += len(step_plan.preempted)
@@ -435,6 +454,8 @@ class Engine:
             "evictable_pages": evictable,
             "request_pages": self.capacity_plan.num_pages - self.cache_mgr.num_free_pages - evictable,
             "waiting_uncached_tokens": sum(r.remaining for r in self.scheduler.waiting),
+            # P/D decodes queued for a slot and pages (smg's decode_prealloc_queue_reqs)
+            "waiting_prefilled": sum(1 for r in self.scheduler.waiting if r.awaiting),
             "free_slots": self.cache_mgr.num_free_slots,
             "warmup_s": self.warmup_s,
             "step_s": self.step_s,
@@ -463,6 +484,15 @@ class Engine:
             self.prefix_cache.check_invariants()
         else:
             self.cache_mgr.check_invariants()
+
+
+def prefill_leg_params(params: SamplingParams) -> SamplingParams:
+    """The settings a P/D prefill (``export``) runs with: one token. smg sends the decode's
+    settings to both legs, so ``min_new_tokens`` is clamped to that one token too (the first
+    token still may not be a stop id or eos when the request asked for at least one). Stop
+    ids and stop strings are kept as they are and never checked here: the export finishes on
+    its one token, and the decode checks the first token's stops itself."""
+    return dataclasses.replace(params, max_new_tokens=1, min_new_tokens=min(params.min_new_tokens, 1))
 
 
 def _token_ids(prompt) -> list[int]:

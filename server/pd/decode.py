@@ -10,7 +10,14 @@ room, prompt and piece shapes against its own, pulls each piece onto a device th
 through the transfer endpoint with a deadline, puts the load's inputs together, releases
 the room and hands the arrays to the engine (``EngineThread.deliver``). Any failure ends that
 request alone with a gRPC status (UNAVAILABLE when the prefill is unreachable or died,
-DEADLINE_EXCEEDED, FAILED_PRECONDITION for incompatible servers) and frees its reservation.
+DEADLINE_EXCEEDED, FAILED_PRECONDITION for incompatible servers or a prefill that refuses
+this server's cluster secret, the prefill's own status when it refused the request) and
+frees its reservation.
+
+Every bootstrap call carries a proof of the cluster secret (``auth.py``). Before it asks for
+a handoff, the worker takes the bytes of the pulled pieces and of the load's inputs put
+together from them from the ``HandoffBudget`` (``--pd-handoff-memory-gb``), waiting while
+the reservation is held; they are given back once the engine has the arrays.
 """
 from __future__ import annotations
 
@@ -20,18 +27,40 @@ from concurrent import futures
 
 import grpc
 
+import numpy as np
+
 from ..engine.handoff import Handoff
 from . import bootstrap_pb2 as pb
 from . import bootstrap_pb2_grpc as pb_grpc
+from .auth import BootstrapAuth
+from .budget import HandoffBudget
+from .errors import HandoffError
 from .layout import cache_layout, destination_pb, incompatibility, piece_specs, prompt_crc32
-from .prefill import HandoffError
 from .transfer import TransferEndpoint, wait_ready
+
+# the prefill's status reaches the decode's client as it is; anything else is UNAVAILABLE
+_KEPT = {"FAILED_PRECONDITION", "DEADLINE_EXCEEDED", "ABORTED", "INVALID_ARGUMENT", "OUT_OF_RANGE",
+         "RESOURCE_EXHAUSTED"}
+
+
+def pull_nbytes(target, piece_specs_) -> int:
+    """Device bytes of one handoff on the decode: the pieces pulled and the load's inputs put
+    together from them (every device's shard of each, replicas included)."""
+    pieces = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for s, d in piece_specs_)
+    loads = 0
+    for shape, dtype, sharding in zip(target.shapes, target.dtypes, target.shardings):
+        shard = sharding.shard_shape(tuple(shape))
+        loads += int(np.prod(shard, dtype=np.int64)) * np.dtype(dtype).itemsize * len(sharding.device_set)
+    return pieces + loads
 
 
 class DecodeSide:
-    def __init__(self, engine, *, host: str = "127.0.0.1", await_s: float = 120.0, transfer_s: float = 60.0):
+    def __init__(self, engine, *, host: str = "127.0.0.1", await_s: float = 120.0, transfer_s: float = 60.0,
+                 secret: bytes | None = None, handoff_bytes: int | None = None):
         self.engine = engine
         self.await_s, self.transfer_s = await_s, transfer_s
+        self.auth = BootstrapAuth(secret)
+        self.budget = HandoffBudget(handoff_bytes)
         self.transfer = TransferEndpoint(host)
         self.layout = cache_layout(engine)
         self.decode_id = f"decode@{self.transfer.address}"
@@ -39,7 +68,7 @@ class DecodeSide:
         self._lock = threading.Lock()
         self._stubs: dict[str, pb_grpc.BootstrapStub] = {}
         self._registered: dict[str, str | None] = {}  # bootstrap address -> None (ok) or why not
-        self.waiting = 0  # submitted, no reservation yet
+        # (requests waiting for a reservation: the engine's stats, "waiting_prefilled")
         self.transferring = 0  # reserved, handoff not delivered yet
         self.bytes_received = 0
         self.handoffs = 0
@@ -51,46 +80,53 @@ class DecodeSide:
         """Submit a P/D decode request; its handoff is fetched once it has a reservation."""
         addr = f"{dparams.bootstrap_host or '127.0.0.1'}:{dparams.bootstrap_port or 8998}"
         room = int(dparams.bootstrap_room)
-        with self._lock:
-            self.waiting += 1
 
-        def on_reserved(r: str) -> None:  # engine thread: hand over to a worker, never block
-            with self._lock:
-                self.waiting -= 1
-                self.transferring += 1
+        def on_reserved(r: str) -> None:  # engine thread (after the step): hand over to a worker, never block
             try:  # what this reservation needs, read while the engine thread owns the cache
                 target = self.engine.cache_mgr.handoff_target(r, len(ids))
             except Exception as e:
                 target = e
-            self.pool.submit(self._fetch, loop, r, addr, room, list(ids), target)
-
-        try:
-            return loop.submit(ids, params, rid=rid, on_reserved=on_reserved, **kw)
-        except BaseException:
             with self._lock:
-                self.waiting -= 1
-            raise
+                self.transferring += 1
+            try:
+                self.pool.submit(self._fetch, loop, r, addr, room, list(ids), target)
+            except RuntimeError:  # the pool is shut down: the engine aborts this request alone
+                with self._lock:
+                    self.transferring -= 1
+                raise HandoffError("UNAVAILABLE", "the decode server is stopping") from None
+
+        return loop.submit(ids, params, rid=rid, on_reserved=on_reserved, **kw)
 
     def _fetch(self, loop, rid: str, addr: str, room: int, ids: list[int], target) -> None:
+        held = 0  # handoff memory taken: given back once the engine thread has the arrays (or they are dropped)
         try:
             if isinstance(target, Exception):
                 raise target
-            handoff = self._handoff(rid, addr, room, ids, target, alive=lambda: loop.in_flight(rid))
+            alive = lambda: loop.in_flight(rid)  # noqa: E731
+            deadline = time.monotonic() + self.await_s
+            nbytes = pull_nbytes(target, piece_specs(self.engine, len(ids), target.dest))
+            self.budget.acquire(nbytes, deadline=deadline, alive=alive, what=f"the handoff of request {rid!r}")
+            held = nbytes
+            handoff = self._handoff(rid, addr, room, ids, target, alive=alive, deadline=deadline)
         except HandoffError as e:
             loop.fail_request(rid, e)
         except grpc.RpcError as e:
             code = e.code().name if e.code() is not None else "UNAVAILABLE"
             if code == "CANCELLED":  # the prefill leg was cancelled or aborted: not this client's doing
                 code = "ABORTED"
-            if code not in ("FAILED_PRECONDITION", "DEADLINE_EXCEEDED", "ABORTED"):
+            if code == "UNAUTHENTICATED":  # a deployment error between the two servers, not the client's
+                code = "FAILED_PRECONDITION"
+            if code not in _KEPT:
                 code = "UNAVAILABLE"
             loop.fail_request(rid, HandoffError(code, f"P/D handoff from the prefill at {addr} failed: "
                                                       f"{e.details() or e.code()}"))
         except Exception as e:  # a bug here must fail the request, not leave it reserved forever
             loop.fail_request(rid, HandoffError("INTERNAL", f"P/D handoff failed: {e!r}"))
         else:
-            loop.deliver(rid, handoff)
+            loop.deliver(rid, handoff)  # the engine thread writes it into the reservation at its next turn
         finally:
+            if held:
+                self.budget.release(held)
             with self._lock:
                 self.transferring -= 1
 
@@ -101,7 +137,8 @@ class DecodeSide:
                 stub = self._stubs[addr] = pb_grpc.BootstrapStub(grpc.insecure_channel(addr))
             known = addr in self._registered
         if not known:
-            r = stub.Register(pb.RegisterRequest(decode_id=self.decode_id, layout=self.layout), timeout=10)
+            req = pb.RegisterRequest(decode_id=self.decode_id, layout=self.layout)
+            r = stub.Register(req, timeout=10, metadata=self.auth.metadata("Register", req))
             why = None if r.compatible else r.reason
             why = why or incompatibility(self.layout, r.layout)
             with self._lock:
@@ -111,12 +148,17 @@ class DecodeSide:
             raise HandoffError("FAILED_PRECONDITION", f"the prefill at {addr} cannot hand over to this server: {why}")
         return stub
 
-    def _handoff(self, rid: str, addr: str, room: int, ids: list[int], target, alive=lambda: True) -> Handoff:
+    def _handoff(self, rid: str, addr: str, room: int, ids: list[int], target, alive=lambda: True,
+                 deadline: float | None = None) -> Handoff:
         stub = self._stub(addr)
         crc = prompt_crc32(ids)
-        call = stub.AwaitHandoff.future(pb.AwaitHandoffRequest(
+        specs = piece_specs(self.engine, len(ids), target.dest)
+        deadline = deadline if deadline is not None else time.monotonic() + self.await_s
+        req = pb.AwaitHandoffRequest(
             decode_id=self.decode_id, bootstrap_room=room, request_id=rid, prompt_len=len(ids), prompt_crc32=crc,
-            layout=self.layout, destination=destination_pb(target.dest)), timeout=self.await_s)
+            layout=self.layout, destination=destination_pb(target.dest))
+        call = stub.AwaitHandoff.future(req, timeout=max(1.0, deadline - time.monotonic()),
+                                        metadata=self.auth.metadata("AwaitHandoff", req))
         done = threading.Event()
         call.add_done_callback(lambda _: done.set())
         while not done.wait(0.05):
@@ -127,7 +169,6 @@ class DecodeSide:
         if (msg.bootstrap_room, msg.request_id, msg.prompt_crc32, msg.prompt_len) != (room, rid, crc, len(ids)):
             raise HandoffError("INTERNAL", f"bootstrap room {room}: the prefill answered for another request "
                                            f"(room {msg.bootstrap_room}, id {msg.request_id!r})")
-        specs = piece_specs(self.engine, len(ids), target.dest)
         got = [(tuple(a.shape), a.dtype) for a in msg.arrays]
         if got != specs:
             raise HandoffError("FAILED_PRECONDITION", f"the prefill announced arrays {got}, this server expects {specs}")
@@ -136,7 +177,8 @@ class DecodeSide:
         ok = wait_ready(pieces, self.transfer_s)
         dt = time.monotonic() - t
         try:
-            stub.Release(pb.ReleaseRequest(bootstrap_room=room, request_id=rid, pulled=ok), timeout=5)
+            rel = pb.ReleaseRequest(bootstrap_room=room, request_id=rid, pulled=ok)
+            stub.Release(rel, timeout=5, metadata=self.auth.metadata("Release", rel))
         except grpc.RpcError:
             pass  # the room expires on its own; the arrays are here (or will never be)
         if not ok:

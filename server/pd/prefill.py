@@ -7,31 +7,34 @@ waits (``wait_s``) for that registration before it computes anything — a prefi
 for a decode that has no room for the result — then runs the prompt with ``export=True``,
 stages the arrays on the transfer endpoint and *publishes* the handoff, which answers
 ``AwaitHandoff``. ``Release`` (the decode pulled) or the staging deadline ends the room.
+
+A room that ends in a failure before its decode came (the prefill refused the request, or
+gave up waiting) leaves a *tombstone* for ``tombstone_s``: a decode that arrives later is
+answered at once with that error instead of holding its slot and pages for its whole wait.
+Staged handoffs hold memory outside the KV pools: each takes its bytes from the
+``HandoffBudget`` before it is computed and gives them back when its room ends. Every
+bootstrap call is authenticated with the cluster secret (``auth.py``).
 """
 from __future__ import annotations
 
 import dataclasses
-import random
+import secrets
 import threading
 import time
 from concurrent import futures
 
 import grpc
 
-from ..engine.request import RequestError
 from . import bootstrap_pb2 as pb
 from . import bootstrap_pb2_grpc as pb_grpc
 from ...intmath import cdiv
 from ..engine.cache.deal import cut_pieces
-from .layout import destination_of, engine_devices, incompatibility, prompt_crc32
+from .auth import BootstrapAuth
+from .budget import HandoffBudget, nbytes_of
+from .errors import HandoffError
+from .layout import destination_of, engine_devices, export_specs, incompatibility, piece_specs, prompt_crc32
 
-
-class HandoffError(RequestError):
-    """A P/D handoff failed: ``code`` is the gRPC status the caller gets."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
+__all__ = ["HandoffError", "PrefillSide", "Rooms", "BootstrapServicer"]
 
 
 @dataclasses.dataclass
@@ -46,16 +49,23 @@ class Room:
     error: HandoffError | None = None
     staged_at: float | None = None
     decode_left: bool = False  # the decode's AwaitHandoff ended (cancelled): nothing to stage for
+    charged: int = 0  # bytes of handoff memory this room holds (given back when it ends)
+    export_bytes: int = 0  # of which the export, given back once it is cut into pieces
 
 
 class Rooms:
-    """Thread-safe table of open rooms, with the figures GetLoads reports."""
+    """Thread-safe table of open rooms and of tombstones (rooms that failed before their
+    decode came), with the figures GetLoads reports."""
 
-    def __init__(self, ttl_s: float, staged_s: float | None = None):
+    def __init__(self, ttl_s: float, staged_s: float | None = None, budget: HandoffBudget | None = None,
+                 tombstone_s: float | None = None):
         self.ttl_s = ttl_s  # a room nobody finishes is dropped after this long
         self.staged_s = staged_s if staged_s is not None else ttl_s  # ... and a staged one nobody released
+        self.tombstone_s = tombstone_s if tombstone_s is not None else ttl_s  # a failure answers late decodes this long
+        self.budget = budget if budget is not None else HandoffBudget(None)
         self._lock = threading.Lock()
         self._rooms: dict[tuple[int, str], Room] = {}
+        self._tombstones: dict[tuple[int, str], tuple[float, HandoffError]] = {}  # key -> (until, error)
         self.handoffs = 0
         self.stage_s = 0.0  # prompt done -> staged, summed
 
@@ -67,9 +77,35 @@ class Rooms:
                 room = self._rooms[key] = Room(key)
             return room
 
-    def end(self, key) -> None:
+    def tombstone(self, key) -> HandoffError | None:
+        """The error a failed room left for a decode that comes late, or None."""
         with self._lock:
-            self._rooms.pop(key, None)
+            self._sweep()
+            t = self._tombstones.get(key)
+            return t[1] if t is not None else None
+
+    def end(self, key, err: HandoffError | None = None) -> None:
+        """Drop the room (its handoff memory is given back); with ``err``, leave a tombstone."""
+        with self._lock:
+            self._drop(key)
+            if err is not None:
+                self._tombstones[key] = (time.monotonic() + self.tombstone_s, err)
+
+    def charge(self, room: Room, nbytes: int) -> bool:
+        """Book ``nbytes`` (already taken from the budget) on ``room``; False (not booked) if the
+        room has ended meanwhile: the caller gives them back."""
+        with self._lock:
+            if self._rooms.get(room.key) is not room or room.done.is_set():
+                return False
+            room.charged += nbytes
+            return True
+
+    def refund(self, room: Room, nbytes: int) -> None:
+        """Give back part of what ``room`` holds (e.g. the export, once cut into pieces)."""
+        with self._lock:
+            nbytes = min(nbytes, room.charged)
+            room.charged -= nbytes
+        self.budget.release(nbytes)
 
     def fail(self, key, err: HandoffError) -> None:
         """End the room's wait with ``err`` (a room already gone stays gone)."""
@@ -91,30 +127,46 @@ class Rooms:
             self._sweep()
             return len(self._rooms)
 
+    def _drop(self, key) -> Room | None:
+        room = self._rooms.pop(key, None)
+        if room is not None and room.charged:
+            self.budget.release(room.charged)
+            room.charged = 0
+        return room
+
     def _sweep(self) -> None:
         now = time.monotonic()
         for key in [k for k, r in self._rooms.items() if now - r.created > self.ttl_s
                     or (r.staged_at is not None and now - r.staged_at > self.staged_s)]:
-            room = self._rooms.pop(key)
+            room = self._drop(key)
             if not room.done.is_set():
                 room.error = HandoffError("DEADLINE_EXCEEDED", f"room {key[0]} expired after {self.ttl_s:.0f} s")
                 room.done.set()
+        for key in [k for k, (until, _) in self._tombstones.items() if until < now]:
+            del self._tombstones[key]
 
 
 class BootstrapServicer(pb_grpc.BootstrapServicer):
-    def __init__(self, rooms: Rooms, layout: "pb.CacheLayout", prefill_id: str, await_s: float):
+    def __init__(self, rooms: Rooms, layout: "pb.CacheLayout", prefill_id: str, await_s: float,
+                 auth: BootstrapAuth | None = None):
         self.rooms, self.layout, self.prefill_id, self.await_s = rooms, layout, prefill_id, await_s
+        self.auth = auth if auth is not None else BootstrapAuth(None)
 
     def Register(self, request, context):
+        self.auth.check("Register", request, context)
         why = incompatibility(self.layout, request.layout)
         return pb.RegisterResponse(prefill_id=self.prefill_id, layout=self.layout, compatible=why is None,
                                    reason=why or "")
 
     def AwaitHandoff(self, request, context):
+        self.auth.check("AwaitHandoff", request, context)
         why = incompatibility(self.layout, request.layout)
         if why is not None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
         key = (request.bootstrap_room, request.request_id)
+        dead = self.rooms.tombstone(key)
+        if dead is not None:  # the prefill failed this request before the decode came
+            context.abort(_code(dead), f"the prefill refused or gave up on this request: {dead}")
         room = self.rooms.get(key)
         room.request = request
         room.registered.set()
@@ -129,38 +181,56 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
                 self.rooms.fail(key, HandoffError("DEADLINE_EXCEEDED", "the prefill did not finish in time"))
         if room.error is not None:
             self.rooms.end(key)
-            context.abort(getattr(grpc.StatusCode, room.error.code, grpc.StatusCode.UNAVAILABLE), str(room.error))
+            context.abort(_code(room.error), str(room.error))
         return room.handoff
 
     def Release(self, request, context):
+        self.auth.check("Release", request, context)
         self.rooms.end((request.bootstrap_room, request.request_id))
         return pb.ReleaseResponse()
+
+
+def _code(err) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, getattr(err, "code", ""), grpc.StatusCode.UNAVAILABLE)
 
 
 class PrefillSide:
     """What a prefill-role server adds: the rooms, the bootstrap gRPC service on
     ``bootstrap_port`` (same host as the scheduler service, as smg derives it from the
-    worker URL) and the transfer endpoint."""
+    worker URL) and the transfer endpoint. ``secret``: the cluster secret every bootstrap
+    call must prove (None: open, loopback only). ``handoff_bytes``: the bound on staged
+    handoffs (``--pd-handoff-memory-gb``; None: unbounded)."""
 
-    def __init__(self, engine, *, host: str, bootstrap_port: int, wait_s: float = 30.0, stage_s: float = 60.0):
+    def __init__(self, engine, *, host: str, bootstrap_port: int, wait_s: float = 30.0, stage_s: float = 60.0,
+                 secret: bytes | None = None, handoff_bytes: int | None = None):
+        from .auth import check_bind
         from .layout import cache_layout
         from .transfer import TransferEndpoint
 
+        check_bind(host, secret)
+        self.engine = engine
         self.wait_s, self.stage_s = wait_s, stage_s
         self.devices = engine_devices(engine)
         self.num_heads, self.page_size = engine.model.config.kda_num_heads, engine.capacity_plan.page_size
-        self.rooms = Rooms(ttl_s=wait_s + stage_s + 60.0, staged_s=stage_s)
+        self.budget = HandoffBudget(handoff_bytes)
+        self.rooms = Rooms(ttl_s=wait_s + stage_s + 60.0, staged_s=stage_s, budget=self.budget)
         self.transfer = TransferEndpoint(host)
         self.layout = cache_layout(engine)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="k3-bootstrap"),
                                   options=[("grpc.so_reuseport", 0)])
         self.servicer = BootstrapServicer(self.rooms, self.layout, f"prefill@{host}:{bootstrap_port}",
-                                          await_s=wait_s + stage_s)
+                                          await_s=wait_s + stage_s, auth=BootstrapAuth(secret))
         pb_grpc.add_BootstrapServicer_to_server(self.servicer, self.server)
         self.port = self.server.add_insecure_port(f"{host}:{bootstrap_port}")
         if not self.port:
             raise OSError(f"cannot bind the bootstrap port {host}:{bootstrap_port}")
         self.server.start()
+
+    def reject(self, key, err: HandoffError) -> None:
+        """This server refused or gave up on the request of ``key``: end its room with ``err``
+        and leave a tombstone, so that its decode, waiting or still to come, gets ``err`` at once."""
+        self.rooms.fail(key, err)
+        self.rooms.end(key, err)
 
     def wait_for_decode(self, key, context) -> Room:
         """The room once its decode has registered; HandoffError if it does not within
@@ -169,12 +239,14 @@ class PrefillSide:
         deadline = time.monotonic() + self.wait_s
         while not room.registered.wait(0.1):
             if not context.is_active():
-                self.rooms.end(key)
-                raise HandoffError("CANCELLED", "the request was cancelled before its decode server arrived")
+                err = HandoffError("CANCELLED", "the request was cancelled before its decode server arrived")
+                self.rooms.end(key, HandoffError("ABORTED", "the prefill leg of this request was cancelled"))
+                raise err
             if time.monotonic() > deadline:
-                self.rooms.end(key)
-                raise HandoffError("UNAVAILABLE", f"no decode server asked for bootstrap room {key[0]} within "
+                err = HandoffError("UNAVAILABLE", f"no decode server asked for bootstrap room {key[0]} within "
                                                   f"{self.wait_s:.0f} s")
+                self.rooms.end(key, err)
+                raise err
         if room.error is not None:  # the decode came and left already
             self.rooms.end(key)
             raise room.error
@@ -195,6 +267,26 @@ class PrefillSide:
             self.rooms.fail(room.key, err)
             raise err from None
 
+    def handoff_nbytes(self, n_prompt: int, dest) -> tuple[int, int]:
+        """(bytes of the export, bytes of the pieces cut from it) of an ``n_prompt``-token handoff."""
+        return nbytes_of(export_specs(self.engine, n_prompt)), nbytes_of(piece_specs(self.engine, n_prompt, dest))
+
+    def reserve_memory(self, room: Room, ids, context) -> None:
+        """Take the handoff's memory (export + pieces) from the budget before anything is
+        computed, waiting up to ``wait_s`` for it; the room holds it until it ends."""
+        export, pieces = self.handoff_nbytes(len(ids), room.dest)
+        try:
+            self.budget.acquire(export + pieces, deadline=time.monotonic() + self.wait_s,
+                                alive=lambda: context.is_active() and not room.done.is_set(),
+                                what=f"the handoff of bootstrap room {room.key[0]}")
+        except HandoffError as e:
+            self.rooms.fail(room.key, e)
+            raise
+        if not self.rooms.charge(room, export + pieces):
+            self.budget.release(export + pieces)
+            raise room.error or HandoffError("ABORTED", f"bootstrap room {room.key[0]} ended")
+        room.export_bytes = export
+
     def publish(self, room: Room, out, finished_at: float) -> None:
         """Stage the final output's handoff and answer the decode's AwaitHandoff."""
         if room.decode_left or room.done.is_set():  # nobody waits for it: drop it
@@ -202,7 +294,9 @@ class PrefillSide:
             return
         h = out.handoff
         pieces = cut_pieces(h.arrays, room.dest, self.devices)
-        uuid = random.getrandbits(63)
+        h.arrays = ()  # the export is cut: only the pieces stay
+        self.rooms.refund(room, room.export_bytes)
+        uuid = secrets.randbits(63)
         self.transfer.stage(uuid, pieces, self.stage_s)
         msg = pb.Handoff(bootstrap_room=room.key[0], request_id=room.key[1], prompt_crc32=room.request.prompt_crc32,
                          prompt_len=h.prompt_len, first_token=h.first_token, cached_tokens=h.cached_tokens,

@@ -2,8 +2,9 @@
 
 Budget rule (``plan_capacity``): KDA slots are fixed-size and needed per *running request*,
 MLA pages grow with tokens. So slots come first: ``max_num_seqs`` request slots plus the
-scratch slot, at float32 state + conv window, whatever the model dtype. Everything left of
-the budget becomes MLA pages. A plan must hold at least one page per sequence, or it
+scratch slot, at float32 state + conv window, whatever the model dtype. A P/D server sets
+``handoff_bytes`` aside next (the bound on handoff arrays held outside the pools,
+``server/pd/budget.py``). Everything left of the budget becomes MLA pages. A plan must hold at least one page per sequence, or it
 raises. A model without MLA layers has pages that cost 0 bytes; it gets a nominal page pool
 of ``max_num_seqs * ceil(tokens_per_seq / page_size)`` pages with ``tokens_per_seq =
 cfg.max_position_embeddings`` (or ``NOMINAL_TOKENS_PER_SEQ`` when unset), so page
@@ -35,11 +36,12 @@ class CapacityPlan:
     dp: int = 1  # attention DP groups: slots and pages split into dp equal ranges
     dcp: int = 1  # decode context parallel ranks per group: each group's pages in dcp blocks
     snapshot_slots: int = 0  # KDA prefix snapshot slots (issue #6), split evenly over the DP groups
+    handoff_bytes: int = 0  # set aside for P/D handoff arrays outside the pools (not in total_bytes)
 
 
 def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = None,
                   max_num_seqs: int, num_pages: int | None = None, dp: int = 1, dcp: int = 1,
-                  snapshot_slots: int = 0) -> CapacityPlan:
+                  snapshot_slots: int = 0, handoff_bytes: int = 0) -> CapacityPlan:
     """Size the cache: ``max_num_seqs`` slots (+ scratch), then pages from what is left.
 
     Give ``kv_memory_bytes`` (the device budget for the whole cache) or ``num_pages``
@@ -52,6 +54,9 @@ def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = N
 
     ``snapshot_slots`` (prefix caching, rounded up to a multiple of ``dp``) are extra KDA slots
     for prefix state snapshots; like request slots they are paid for before the pages.
+
+    ``handoff_bytes`` (a P/D server's ``--pd-handoff-memory-gb``) is taken off the budget
+    after the slots: the pages get only what is left.
     """
     if dp < 1 or dcp < 1:
         raise ValueError(f"dp and dcp must be >= 1, got {dp}, {dcp}")
@@ -70,29 +75,33 @@ def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = N
     # per-unit costs straight from the model's own layout, so they cannot drift from it
     bytes_per_slot = cache_bytes(cfg, 1, 0, page_size, dtype)
     bytes_per_page = cache_bytes(cfg, 0, 1, page_size, dtype)
+    if handoff_bytes < 0:
+        raise ValueError(f"handoff_bytes must be >= 0, got {handoff_bytes}")
     slot_bytes = num_slots * bytes_per_slot
+    fixed = slot_bytes + handoff_bytes  # paid before any page
 
     if num_pages is not None:
         if num_pages < blocks:
             raise ValueError(f"num_pages must be >= {blocks} (dp × dcp blocks), got {num_pages}")
         num_pages -= num_pages % blocks
-        total = slot_bytes + num_pages * bytes_per_page
+        total = fixed + num_pages * bytes_per_page
         if kv_memory_bytes is not None and total > kv_memory_bytes:
-            raise ValueError(f"cache of {num_slots} slots and {num_pages} pages needs {total} bytes, "
-                             f"over the budget of {kv_memory_bytes} bytes")
+            raise ValueError(f"cache of {num_slots} slots and {num_pages} pages (+ {handoff_bytes} bytes for P/D "
+                             f"handoffs) needs {total} bytes, over the budget of {kv_memory_bytes} bytes")
     else:
-        need = slot_bytes + max_num_seqs * bytes_per_page
+        need = fixed + max_num_seqs * bytes_per_page
         if kv_memory_bytes < need:
             raise ValueError(
                 f"kv_memory_bytes={kv_memory_bytes} cannot hold {max_num_seqs} sequences: "
                 f"{num_slots} KDA slots ({bytes_per_slot} bytes each, incl. scratch) plus one "
-                f"{page_size}-token MLA page per sequence ({bytes_per_page} bytes each) need {need} bytes; "
-                f"raise the budget or lower max_num_seqs / page_size")
+                f"{page_size}-token MLA page per sequence ({bytes_per_page} bytes each)"
+                + (f" plus {handoff_bytes} bytes set aside for P/D handoffs" if handoff_bytes else "")
+                + f" need {need} bytes; raise the budget or lower max_num_seqs / page_size")
         if bytes_per_page == 0:
             tokens = cfg.max_position_embeddings or NOMINAL_TOKENS_PER_SEQ
             num_pages = max_num_seqs * cdiv(tokens, page_size)
         else:
-            num_pages = (kv_memory_bytes - slot_bytes) // bytes_per_page
+            num_pages = (kv_memory_bytes - fixed) // bytes_per_page
         num_pages -= num_pages % blocks
         if num_pages < blocks:
             raise ValueError(f"kv_memory_bytes={kv_memory_bytes} leaves fewer pages than the {blocks} dp × dcp blocks")
@@ -101,4 +110,4 @@ def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = N
                      bytes_per_page=bytes_per_page, bytes_per_slot=bytes_per_slot, total_bytes=total,
                      max_tokens_in_kv=int(num_pages) * int(page_size),
                      max_tokens_per_request=int(num_pages) // dp * int(page_size), max_concurrent_slots=num_slots - dp - snap,
-                     dp=dp, dcp=dcp, snapshot_slots=snap)
+                     dp=dp, dcp=dcp, snapshot_slots=snap, handoff_bytes=int(handoff_bytes))
