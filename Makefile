@@ -29,7 +29,8 @@ TEST_FAST := tests/test_cache_manager.py tests/test_sampler.py tests/test_prefix
 	tests/test_prefix_cache.py tests/test_chat.py tests/test_tokenizer.py tests/test_auth.py \
 	tests/test_recipe.py tests/test_config.py tests/test_full_preset.py tests/test_mxfp4.py \
 	tests/test_safetensors_io.py tests/test_bench_client.py tests/test_pd_destination.py tests/test_roofline.py \
-	tests/test_shared_secret.py tests/test_declared_dependencies.py tests/test_notebooks.py
+	tests/test_shared_secret.py tests/test_declared_dependencies.py tests/test_notebooks.py \
+	tests/test_import_graph.py tests/test_model_identity.py tests/test_pd_auth.py tests/test_pd_budget.py
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(TEST_FAST)
 

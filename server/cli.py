@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from .api.engine_args import add_prefix_flags
+
 
 def _model_dir(args) -> Path:
     from ..demo import model_or_demo
@@ -287,34 +289,6 @@ def _plan_roofline(args, cfg, inv) -> int:
         return 2
     print_roofline(roofline_rows(cfg, recipes, inv, [args.context_len], concurrency, chip), chip, args.json)
     return 0
-
-
-def prefix_kwargs(args) -> dict:
-    """Engine keyword arguments of the prefix-cache flags (``add_prefix_flags``)."""
-    return dict(enable_prefix_caching=not args.no_prefix_caching, prefix_unit=args.prefix_unit,
-                prefix_interval=args.prefix_interval, prefix_second_hit=not args.no_prefix_second_hit,
-                prefix_output_end=not args.no_prefix_output_end, prefix_snapshots=args.prefix_snapshots,
-                prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30)) if args.prefix_cache_gb else None,
-                prefix_host_bytes=int(args.prefix_host_gb * (1 << 30)))
-
-
-def add_prefix_flags(p) -> None:
-    g = p.add_argument_group("prefix caching (on by default)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt from scratch")
-    g.add_argument("--prefix-unit", type=int, default=None,
-                   help="prefix-match unit in tokens (divides the page size; default min(16, page/2))")
-    g.add_argument("--prefix-interval", type=int, default=0,
-                   help="also snapshot the KDA state every N tokens (multiple of the unit; 0 = off)")
-    g.add_argument("--no-prefix-second-hit", action="store_true",
-                   help="do not register a branch point the second time it is seen")
-    g.add_argument("--no-prefix-output-end", action="store_true",
-                   help="do not register the state at the end of each request's output")
-    g.add_argument("--prefix-snapshots", type=int, default=None,
-                   help="device KDA snapshot slots (default 2 x max-num-seqs; paid before pages)")
-    g.add_argument("--prefix-cache-gb", type=float, default=None,
-                   help="byte budget of cached pages + snapshots (default: what the pool and slots hold)")
-    g.add_argument("--prefix-host-gb", type=float, default=1.0,
-                   help="host-DRAM tier for evicted prefixes (pages + state), 0 = off (default 1)")
 
 
 def add_cluster_flags(p) -> None:

@@ -144,7 +144,7 @@ def serve_follower(args, path, cluster) -> int:
     from ..cluster import wire
     from ..cluster.follower import FollowerChannel, run_follower
     from ..cluster.runtime import connect_to_leader
-    from .serve import build_engine
+    from .engine_args import build_engine
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: os._exit(0))  # the leader notices and stops the deployment

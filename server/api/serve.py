@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 from ...demo import model_or_demo
 from ...compile_cache import enable_compile_cache
-from ..cli import prefix_kwargs
 from .auth import ADMIN_KEY_ENV, API_KEY_ENV, load_key
+from .engine_args import build_engine, pd_handoff_bytes
 from .engine_thread import EngineThread
 from .grpc_service import GrpcServer, Servicer
 from .metrics import Metrics
@@ -153,13 +152,6 @@ def _pd_secret(args):
     return secret
 
 
-def pd_handoff_bytes(args) -> int:
-    """``--pd-handoff-memory-gb`` in bytes on a P/D server (0 on a unified one)."""
-    if getattr(args, "role", "unified") == "unified":
-        return 0
-    return int(getattr(args, "pd_handoff_memory_gb", 0) * (1 << 30))
-
-
 def attach_pd(servicer, engine, args, secret: bytes | None = None):
     """Make the servicer a P/D prefill (bootstrap service on ``--bootstrap-port``) or decode
     server (``--role``); returns the side, to stop at exit."""
@@ -214,43 +206,3 @@ def _start_engine(args, path, metrics, dispatch=None):
     loop = EngineThread(eng, on_output=metrics.observe_output)
     metrics.loop = loop
     return loop
-
-
-def build_engine(args, path, dispatch=None):
-    """The engine ``k3serve serve``'s flags describe (every process of a deployment builds
-    the same one; ``dispatch``: the leader's, which replays device calls on the followers)."""
-    from ...checkpoints import load_pretrained
-    from ..engine.engine import Engine
-    from ..engine.llm import recipe_placement
-
-    # with a recipe: mesh first, then every parameter loaded straight into its shards
-    t = time.perf_counter()
-    m = load_pretrained(path, dtype=args.dtype, dequantize_experts=args.dequantize_experts,
-                        placement=recipe_placement(path, args.recipe), kernels=getattr(args, "kernels", None))
-    st = m.load_stats
-    print(f"k3serve: loaded {path.name} in {time.perf_counter() - t:.1f}s: read {st['bytes_read']} of "
-          f"{st['checkpoint_bytes']} checkpoint bytes ({100 * st['bytes_read'] / max(1, st['checkpoint_bytes']):.0f}%), "
-          f"peak RSS {_peak_rss_mib():.0f} MiB", flush=True)
-    detok = None
-    try:
-        from ..text.tokenizer import load_tokenizer
-
-        tok = load_tokenizer(path)
-        if tok is not None:
-            detok = lambda: tok.detokenizer(keep_text=False)  # stop strings: one per request
-    except ImportError:
-        pass
-    kv = dict(kv_memory_bytes=int(args.kv_memory_gb * (1 << 30))) if args.kv_memory_gb else (
-        dict(num_pages=args.num_pages) if args.num_pages else {})
-    eng = Engine(m, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                 chunk_size=args.chunk_size, page_size=args.page_size, max_model_len=args.max_model_len,
-                 bucket_growth=args.bucket_growth,
-                 detokenizer=detok, async_scheduling=not args.sync, recipe=args.recipe,
-                 dispatch=dispatch, pd_handoff_bytes=pd_handoff_bytes(args), **prefix_kwargs(args), **kv)
-    return eng
-
-
-def _peak_rss_mib() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux

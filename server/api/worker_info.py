@@ -34,7 +34,7 @@ class EnginePlan:
     def planned(cls, *, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                 chunk_size: int | None, page_size: int, dtype="float32", recipe=None,
                 num_processes: int = 1) -> "EnginePlan":
-        """The plan of an ``Engine`` built with these arguments (``serve.build_engine``)."""
+        """The plan of an ``Engine`` built with these arguments (``engine_args.build_engine``)."""
         from ...model.pretrained import resolve_dtype
         from ...sharding.recipe import Recipe
 

@@ -25,7 +25,8 @@ _CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
 from k3serve.checkpoints import load_pretrained
-from k3serve.server.cli import build_parser, prefix_kwargs
+from k3serve.server.cli import build_parser
+from k3serve.server.api.engine_args import prefix_kwargs
 from k3serve.server.engine.engine import Engine
 args = build_parser().parse_args(["serve", "--model", sys.argv[1]])
 m = load_pretrained(args.model, dtype=args.dtype)
