@@ -161,8 +161,10 @@ class Runner:
         self._step_tokens: dict[int, jax.Array] = {}  # step number -> its sampled tokens (the last two)
         self._zero_prev = jnp.zeros(R, jnp.int32)
         self.vocab_size = V = model.config.vocab_size
-        # token table: row 0 for rows that use none, then one per running request that does
-        self.table = jnp.zeros((max_num_seqs + 1, V), jnp.int32)
+        # token table: row 0 for rows that use none, then one per request that can run at once
+        # (a request slot: under attention DP dp * ceil(max_num_seqs / dp), not max_num_seqs)
+        rows = cache_mgr.capacity_plan.max_concurrent_slots
+        self.table = jnp.zeros((rows + 1, V), jnp.int32)
         keep = {}  # on a mesh the table stays replicated, call after call
         if par is not None:
             from jax.sharding import NamedSharding, PartitionSpec
@@ -171,7 +173,7 @@ class Runner:
             self.table = jax.device_put(self.table, keep["out_shardings"])
             self._zero_prev = jax.device_put(self._zero_prev, keep["out_shardings"])
         self._table_row: dict[str, int] = {}
-        self._table_free = list(range(max_num_seqs, 0, -1))
+        self._table_free = list(range(rows, 0, -1))
         self._set_row = programs.jit(lambda table, i, row: table.at[i].set(row), "table_row", donate_argnums=(0,),
                                      **keep)
         self.table_inits = 0  # rows built on the host (admissions and re-admissions that need one)
@@ -392,7 +394,7 @@ class Runner:
         if req.pending:
             raise RuntimeError(f"{req.rid}: token table row built with {req.pending} tokens in flight")
         if not self._table_free:
-            raise RuntimeError("token table full (more running requests than max_num_seqs)")
+            raise RuntimeError("token table full (more running requests than request slots)")
         i = self._table_free.pop()
         row = token_table_row(req.prompt, req.output, self._suppress_ids(req.params), self.vocab_size)
         self.dispatch("table_row", i, row)
