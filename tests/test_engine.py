@@ -87,9 +87,10 @@ def test_no_compile_after_warmup_with_prefix_copies_penalties_and_host_reload(en
     assert st["prefix_host_reloads"] > st0["prefix_host_reloads"] and eng.cache_mgr.num_copies > 0, st
     assert eng.runner.table_inits > inits
     assert st["num_compiles"] == compiles
+    # a program jax lowers again for inputs that differ from warm-up's in more than shape (an
+    # uncommitted cache after a step: ``manager.committed``) is seen here, not in the count
+    assert _LOWERINGS[0] == 0, f"{_LOWERINGS[0]} programs lowered after warm-up"
     assert_all_free(eng)
-    if _LOWERINGS[0]:  # open (issue #32): serving's read/load inputs differ from warm-up's (not their shapes)
-        pytest.xfail(f"{_LOWERINGS[0]} host-tier read/load programs lowered again after warm-up")
 
 
 def test_preemption_with_tiny_page_budget():

@@ -17,6 +17,13 @@ Device layout (allocated by ``allocate_cache`` with the plan's sizes):
   kda_conv  [nK, num_slots, W-1, 3*H*dk]    float32
   mla_kv    [nM, num_pages, page_size, kv_lora_rank + qk_rope_head_dim]   model dtype
 
+The device cache is *committed* to its devices from the start (:func:`committed`), so every
+program's output is too. Why: jax keys a compiled program by whether each input is committed
+(not only by shapes and shardings), and a step lowered on an uncommitted cache returns an
+uncommitted one, while the copy and load programs (``out_shardings``) return committed ones.
+The cache would then reach a read or a load in either state depending on which program ran
+last, and the one warm-up did not see would compile again while serving.
+
 Single-threaded by design: the engine loop owns the manager.
 """
 from __future__ import annotations
@@ -37,6 +44,13 @@ from .host import HostCopy
 from .pages import PagePool
 from .planning import CapacityPlan
 from .slots import SCRATCH, SlotPool
+
+
+def committed(tree):
+    """``tree``'s arrays committed to the devices they are on (no copy)."""
+    import jax
+
+    return jax.tree.map(lambda a: jax.device_put(a, a.sharding), tree)
 
 
 def _padded(xs, width: int) -> np.ndarray:
@@ -86,8 +100,8 @@ class CacheManager:
         # from the admissions of one schedule, at most one page and one slot copy per request
         self.copy_widths = sparse_widths(plan.max_concurrent_slots)
         self.num_copies = 0
-        self.device_cache = (allocate_cache(cfg, plan.num_slots, plan.num_pages, plan.page_size, dtype)
-                      if allocate else None)
+        self.device_cache = (committed(allocate_cache(cfg, plan.num_slots, plan.num_pages, plan.page_size, dtype))
+                             if allocate else None)
         self.dispatch = dispatch if dispatch is not None else LocalDispatch()
         self.dispatch.register("cache_copy", self._run_copy)
         self.dispatch.register("host_offload", self._run_offload)
