@@ -93,6 +93,27 @@ def test_no_compile_after_warmup_with_prefix_copies_penalties_and_host_reload(en
     assert_all_free(eng)
 
 
+def test_token_table_has_a_row_for_every_request_slot_under_attention_dp():
+    """Review finding 11: under attention DP (dp=2) with max_num_seqs=3 the cache holds
+    dp * ceil(3 / 2) = 4 request slots, so 4 requests can run at once (a step carries at most
+    3 rows, but a running request without a row this step keeps its slot and table row).
+    Each of them gets a token-table row; a table of max_num_seqs rows was full at the 4th.
+    Host bookkeeping and the one-row write program only: no model step is compiled."""
+    from k3serve.server.engine.cache import CacheManager, plan_capacity
+    from k3serve.server.engine.request import Request
+    from k3serve.server.engine.runner import Runner
+
+    model = load_case(CASE)
+    plan = plan_capacity(model.config, page_size=16, dtype=model.dtype, max_num_seqs=3, num_pages=8, dp=2)
+    mgr = CacheManager(model.config, plan, model.dtype, allocate=False)
+    runner = Runner(model, mgr, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64)
+    pen = SamplingParams(max_new_tokens=2, repetition_penalty=1.3)
+    rids = [f"r{i}" for i in range(8) if mgr.admit(f"r{i}")]
+    assert len(rids) == plan.max_concurrent_slots == 4
+    rows = [runner._init_row(Request([1, 2, 3], pen, rid=rid)) for rid in rids]
+    assert sorted(rows) == [1, 2, 3, 4]
+
+
 def test_preemption_with_tiny_page_budget():
     """8-token pages, 2 rows, 9 pages in all: requests preempt each other and recompute,
     and every output still equals the golden greedy continuation. Only the token buckets
