@@ -192,7 +192,9 @@ class HandoffTarget:
                 i = self._need(which, dev)
                 if i is None:
                     local = tuple(len(range(*s.indices(n))) for s, n in zip(sl, shape))
-                    bufs.append(jnp.zeros(local, self.dtypes[which], device=dev))
+                    # from host memory, not jnp.zeros: an eager op would compile once per
+                    # shape and device while serving, uncounted (a transfer compiles nothing)
+                    bufs.append(jax.device_put(np.zeros(local, self.dtypes[which]), dev))
                 else:
                     piece = pieces[i]
                     bufs.append(piece if piece.devices() == {dev} else jax.device_put(piece, dev))
