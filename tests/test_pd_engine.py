@@ -28,8 +28,21 @@ KW = dict(max_num_seqs=4, max_num_batched_tokens=40, chunk_size=16, page_size=16
 
 @pytest.fixture(scope="module")
 def engines():
+    from k3serve.server.engine.warm_programs import warm_small_programs
+
     m = load_case(CASE)
-    return {name: Engine(m, **KW) for name in ("unified", "prefill", "decode")}
+    engines = {name: Engine(m, pd_role=name, **KW) for name in ("unified", "prefill", "decode")}
+    for eng in engines.values():  # the handoff's programs (not the steps): the serving warm-up's
+        warm_small_programs(eng, eng.pd_role)
+    return engines
+
+
+def _small_programs(engines):
+    """Compiles of every program but the steps and sampling (compiled lazily here)."""
+    from k3serve.server.engine.cache import deal
+
+    return deal.PROGRAMS.count, [{k: n for k, n in e.runner.programs.by_name.items() if k not in ("step", "sample")}
+                                 for e in engines.values()]
 
 
 def _prompts():
@@ -68,7 +81,9 @@ def _unified(engines, prompts, params):
 def test_decode_output_equals_unified(engines, params):
     prompts = _prompts()
     want = _unified(engines, prompts, params)
+    small = _small_programs(engines)
     pre_outs, got = _pd(engines, prompts, params)
+    assert _small_programs(engines) == small  # export, cuts, assemble, import: warm-up compiled them all
     for w, g, p in zip(want, got, pre_outs):
         assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
         assert g.token_ids[0] == p.token_ids[0]

@@ -73,7 +73,8 @@ def build_engine(args, path, dispatch=None):
                  chunk_size=args.chunk_size, page_size=args.page_size, max_model_len=args.max_model_len,
                  bucket_growth=args.bucket_growth,
                  detokenizer=detok, async_scheduling=not args.sync, recipe=args.recipe,
-                 dispatch=dispatch, pd_handoff_bytes=pd_handoff_bytes(args), **prefix_kwargs(args), **kv)
+                 dispatch=dispatch, pd_handoff_bytes=pd_handoff_bytes(args), pd_role=getattr(args, "role", None),
+                 **prefix_kwargs(args), **kv)
     return eng
 
 

@@ -56,7 +56,8 @@ class Engine:
                  enable_prefix_caching: bool = True, prefix_unit: int | None = None, prefix_interval: int = 0,
                  prefix_second_hit: bool = True, prefix_output_end: bool = True,
                  prefix_snapshots: int | None = None, prefix_cache_bytes: int | None = None,
-                 prefix_host_bytes: int = 1 << 30, bucket_growth: int = 8, dispatch=None, pd_handoff_bytes: int = 0):
+                 prefix_host_bytes: int = 1 << 30, bucket_growth: int = 8, dispatch=None, pd_handoff_bytes: int = 0,
+                 pd_role: str | None = None):
         from .dispatch import LocalDispatch
 
         cfg = model.config
@@ -142,9 +143,14 @@ class Engine:
         self.tokens_computed = 0
         self.prefix_bytes_peak = 0
         self.step_s = 0.0  # wall time inside step(), host work included
+        # "prefill" / "decode": the P/D side this engine serves (its handoff programs are warmed)
+        self.pd_role = pd_role if pd_role in ("prefill", "decode") else None
         if warmup:
+            from .warm_programs import warm_small_programs
+
             t = time.perf_counter()
             self.runner.warmup()
+            warm_small_programs(self, self.pd_role)
             self.warmup_s = time.perf_counter() - t
 
     # ------------------------------------------------------------------ requests
@@ -441,10 +447,18 @@ class Engine:
             self._finish(req, "length")
 
     # ------------------------------------------------------------------ introspection
+    @property
+    def num_compiles(self) -> int:
+        """Programs compiled: the engine's own (``runner.num_compiles``) and, with a P/D role,
+        the process's handoff cuts (``deal.PROGRAMS``: module functions, shared)."""
+        from .cache import deal
+
+        return self.runner.num_compiles + (deal.PROGRAMS.count if self.pd_role else 0)
+
     def stats(self) -> dict:
         evictable = self.prefix_cache.index.num_evictable_pages() if self.prefix_cache is not None else 0
         return {
-            "num_compiles": self.runner.num_compiles,
+            "num_compiles": self.num_compiles,
             "num_steps": self.num_steps,
             "num_preemptions": self.num_preemptions,
             "running": len(self.scheduler.running),

@@ -28,8 +28,8 @@ its rows block g of the row axis (``model.step``), because the step splits both 
 mesh's ``"dp"`` axis and each group's rows may name only that group's slots and pages. ``par``
 (the recipe's ``sharding.parallel.StepParallel``) goes into the model call.
 
-``num_compiles`` counts traces of the step and sampling functions (a trace is what triggers a
-compile).
+``num_compiles`` counts every program of the engine (``programs.Programs``, shared with the
+cache manager): the step and sampling functions, the token-table row write, the cache copies.
 
 ``launch`` only dispatches: it returns an :class:`InFlight` whose results stay on the device
 until ``InFlight.result()`` fetches them, so the engine can plan and launch step N+1 before
@@ -140,6 +140,7 @@ class Runner:
 
         self.model = model
         self.cache_mgr = cache_mgr
+        self.programs = programs = cache_mgr.programs  # one count for the engine's programs
         self.page_size = cache_mgr.capacity_plan.page_size
         self.par = par
         self.dp = dp = par.dp if par is not None else 1
@@ -153,15 +154,17 @@ class Runner:
         self.max_logprobs = max_logprobs
         self._compiled: dict = {}  # token bucket -> AOT-compiled step (warm-up)
         self._compiled_sample: dict = {}  # row count -> AOT-compiled sampling (warm-up)
-        self.num_compiles = 0
+        self.warm_fixed = 0  # programs warm-up compiled besides the steps and sampling
         self.launch_s = 0.0  # host time building inputs and dispatching
         self.wait_s = 0.0  # host time blocked waiting for step results
         self.num_steps = 0
         self._step_tokens: dict[int, jax.Array] = {}  # step number -> its sampled tokens (the last two)
         self._zero_prev = jnp.zeros(R, jnp.int32)
         self.vocab_size = V = model.config.vocab_size
-        # token table: row 0 for rows that use none, then one per running request that does
-        self.table = jnp.zeros((max_num_seqs + 1, V), jnp.int32)
+        # token table: row 0 for rows that use none, then one per request that can run at once
+        # (a request slot: under attention DP dp * ceil(max_num_seqs / dp), not max_num_seqs)
+        rows = cache_mgr.capacity_plan.max_concurrent_slots
+        self.table = jnp.zeros((rows + 1, V), jnp.int32)
         keep = {}  # on a mesh the table stays replicated, call after call
         if par is not None:
             from jax.sharding import NamedSharding, PartitionSpec
@@ -170,14 +173,14 @@ class Runner:
             self.table = jax.device_put(self.table, keep["out_shardings"])
             self._zero_prev = jax.device_put(self._zero_prev, keep["out_shardings"])
         self._table_row: dict[str, int] = {}
-        self._table_free = list(range(max_num_seqs, 0, -1))
-        self._set_row = jax.jit(lambda table, i, row: table.at[i].set(row), donate_argnums=(0,), **keep)
+        self._table_free = list(range(rows, 0, -1))
+        self._set_row = programs.jit(lambda table, i, row: table.at[i].set(row), "table_row", donate_argnums=(0,),
+                                     **keep)
         self.table_inits = 0  # rows built on the host (admissions and re-admissions that need one)
         self._fns: dict = {}  # token bucket -> jitted step
         graphdef = model.graphdef
 
         def fn(params, cache, meta, prev, *, lay: _Layout):
-            self.num_compiles += 1  # Python side effect: runs only while tracing
             m = lay.split(meta)
             rows = m["rows"]
             col = _columns(rows)
@@ -219,7 +222,6 @@ class Runner:
             process reads its own copy, and XLA's partitioner never sees the sampler's
             top-k (jax 0.10.2 fails a check in its TopkDecomposer on a partitioned top-k
             under the sampler's optimization barrier)."""
-            self.num_compiles += 1
             if par is None:
                 return sample_body(logits, rows, table)
             from jax.sharding import PartitionSpec as P
@@ -228,7 +230,7 @@ class Runner:
                                  check_vma=False)(logits, rows, table)
 
         self._step_fn = fn
-        self._sample_jit = jax.jit(sample_fn, donate_argnums=(2,))
+        self._sample_jit = programs.jit(sample_fn, "sample", donate_argnums=(2,))
         self.dispatch = dispatch if dispatch is not None else LocalDispatch()
         self.dispatch.register("step", self._run_step)
         self.dispatch.register("table_row", self._write_table_row)
@@ -369,7 +371,8 @@ class Runner:
     def _jit(self, T: int):
         f = self._fns.get(T)
         if f is None:
-            f = self._fns[T] = jax.jit(functools.partial(self._step_fn, lay=self.layout(T)), donate_argnums=(1,))
+            f = self._fns[T] = self.programs.jit(functools.partial(self._step_fn, lay=self.layout(T)), "step",
+                                                 donate_argnums=(1,))
         return f
 
     def _sampler(self, R: int):
@@ -391,7 +394,7 @@ class Runner:
         if req.pending:
             raise RuntimeError(f"{req.rid}: token table row built with {req.pending} tokens in flight")
         if not self._table_free:
-            raise RuntimeError("token table full (more running requests than max_num_seqs)")
+            raise RuntimeError("token table full (more running requests than request slots)")
         i = self._table_free.pop()
         row = token_table_row(req.prompt, req.output, self._suppress_ids(req.params), self.vocab_size)
         self.dispatch("table_row", i, row)
@@ -426,11 +429,22 @@ class Runner:
         """Every token bucket a step can take (one step program each)."""
         return list(self.token_buckets)
 
+    @property
+    def num_compiles(self) -> int:
+        """Programs compiled so far: every jitted function of the engine (``programs``)."""
+        return self.programs.count
+
     def programs_for(self, buckets) -> int:
-        """Programs that steps in ``buckets`` compile: a step program per bucket and a sampling
-        program per distinct row count."""
+        """Programs of an engine whose steps used ``buckets``: a step program per bucket, a
+        sampling program per distinct row count, and the small programs warm-up compiled
+        (``warm_fixed``: cache copies, reads and loads, the token-table row)."""
         buckets = list(buckets)
-        return len(buckets) + len({self.layout(T).R for T in buckets})
+        return len(buckets) + len({self.layout(T).R for T in buckets}) + self.warm_fixed
+
+    def warm_table_row(self) -> None:
+        """Compile the token-table row write (one program: the row is always ``[V]``) by
+        writing row 0 (the rows that use no table) with what it holds: zeros."""
+        self._write_table_row(0, token_table_row([], [], [], self.vocab_size))
 
     def _padding_args(self, T: int) -> tuple:
         lay = self.layout(T)

@@ -26,16 +26,21 @@ prefill still sends the whole KDA state, which is the state after the prompt.
 The load writes the rows in *block order* ``[nM, blocks * Pb, ps, W]``, sharded over pages like
 the pool, so each device's part is exactly its own block's pages (``HandoffTarget.load_index``).
 One device and no recipe is the case of one block and one head range.
+
+The two cut programs (``_heads``, ``_pages``) are module functions, so their compiled forms
+are shared by every engine of the process: they count in :data:`PROGRAMS`, which an engine
+with a P/D role adds to its ``num_compiles``, and a prefill engine compiles them at warm-up
+(:func:`warm_cuts`) for every shape a decode can ask.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ..programs import Programs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,14 +103,35 @@ def cut_pieces(arrays, dest: Destination, devices) -> list:
     return out
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _heads(state, h0, count):
+PROGRAMS = Programs()  # the cut programs' traces, in this process
+
+
+def _cut_heads(state, h0, count):
     return jax.lax.dynamic_slice_in_dim(state, h0, count, axis=1)
 
 
-@jax.jit
-def _pages(rows, idx):
+def _cut_pages(rows, idx):
     return jnp.take(rows, idx, axis=1, mode="fill", fill_value=0)
+
+
+_heads = PROGRAMS.jit(_cut_heads, "deal_heads", static_argnums=2)
+_pages = PROGRAMS.jit(_cut_pages, "deal_pages")
+
+
+def warm_cuts(exports) -> None:
+    """Compile the cut programs for every piece a decode can ask of these ``exports`` (one
+    ``(state, conv, rows)`` per export page count ``P'``, as ``export_request`` gives them):
+    a state piece per head count dividing the heads (the decode splits its heads evenly over
+    mesh axes, ``Recipe.validate``), a rows piece per power of two ``Pb <= P'`` (a DCP rank's
+    pages, ``Destination.check``)."""
+    for state, _, rows in exports:
+        H, width = state.shape[1], rows.shape[1]
+        for count in (c for c in range(1, H + 1) if H % c == 0):
+            _heads(state, jnp.int32(0), count)
+        pb = 1
+        while pb <= width:
+            _pages(rows, jnp.asarray(np.full(pb, width, np.int32)))
+            pb *= 2
 
 
 def without_slot_axis(sharding, ndim: int):
@@ -166,7 +192,9 @@ class HandoffTarget:
                 i = self._need(which, dev)
                 if i is None:
                     local = tuple(len(range(*s.indices(n))) for s, n in zip(sl, shape))
-                    bufs.append(jnp.zeros(local, self.dtypes[which], device=dev))
+                    # from host memory, not jnp.zeros: an eager op would compile once per
+                    # shape and device while serving, uncounted (a transfer compiles nothing)
+                    bufs.append(jax.device_put(np.zeros(local, self.dtypes[which]), dev))
                 else:
                     piece = pieces[i]
                     bufs.append(piece if piece.devices() == {dev} else jax.device_put(piece, dev))

@@ -8,12 +8,21 @@ abort and preemption all go through the same ``release`` and cannot leak pages o
 ``check_invariants`` makes that checkable.
 
 Capacity planning (how many slots and pages a budget buys) is in ``planning.py``; the
-device copy programs are in ``device_ops.py``.
+device copy programs are in ``device_ops.py``. They are jitted through the engine's
+``programs.Programs`` (counted in ``num_compiles``) and compiled at warm-up for every index
+length serving can give them (:meth:`CacheManager.warm_programs`).
 
 Device layout (allocated by ``allocate_cache`` with the plan's sizes):
   kda_state [nK, num_slots, H, dk, dv]      float32, slot 0 = scratch (padding rows)
   kda_conv  [nK, num_slots, W-1, 3*H*dk]    float32
   mla_kv    [nM, num_pages, page_size, kv_lora_rank + qk_rope_head_dim]   model dtype
+
+The device cache is *committed* to its devices from the start (:func:`committed`), so every
+program's output is too. Why: jax keys a compiled program by whether each input is committed
+(not only by shapes and shardings), and a step lowered on an uncommitted cache returns an
+uncommitted one, while the copy and load programs (``out_shardings``) return committed ones.
+The cache would then reach a read or a load in either state depending on which program ran
+last, and the one warm-up did not see would compile again while serving.
 
 Single-threaded by design: the engine loop owns the manager.
 """
@@ -29,11 +38,26 @@ import numpy as np
 from ....intmath import cdiv, next_pow2, pad_pow2
 from ....model.cache import allocate_cache, cache_bytes
 
+from ..programs import Programs, sparse_widths, width_for
 from .device_ops import PROGRAMS
 from .host import HostCopy
 from .pages import PagePool
 from .planning import CapacityPlan
 from .slots import SCRATCH, SlotPool
+
+
+def committed(tree):
+    """``tree``'s arrays committed to the devices they are on (no copy)."""
+    import jax
+
+    return jax.tree.map(lambda a: jax.device_put(a, a.sharding), tree)
+
+
+def _padded(xs, width: int) -> np.ndarray:
+    """``xs`` as int32 padded to ``width`` with repeats of its first entry (the same index
+    copied or written twice writes the same value)."""
+    xs = list(xs)
+    return np.asarray(xs + [xs[0]] * (width - len(xs)), np.int32)
 
 
 @dataclasses.dataclass
@@ -53,7 +77,8 @@ class CacheManager:
     (scheduler tests, planning) and leaves ``device_cache`` as None.
     """
 
-    def __init__(self, cfg, plan: CapacityPlan, dtype, *, allocate: bool = True, dispatch=None):
+    def __init__(self, cfg, plan: CapacityPlan, dtype, *, allocate: bool = True, dispatch=None,
+                 programs: Programs | None = None):
         from ..dispatch import LocalDispatch
 
         dtype = jnp.dtype(dtype)
@@ -70,9 +95,13 @@ class CacheManager:
         self._page_copies: list[tuple[int, int]] = []  # (src page, dst page), dispatched by flush_copies
         self._slot_copies: list[tuple[int, int]] = []  # (src slot, dst slot)
         self._copy_fns: dict = {}
+        self.programs = programs if programs is not None else Programs()  # counts every jit of the engine
+        # index lengths of one copy program call: the copies queued between two flushes come
+        # from the admissions of one schedule, at most one page and one slot copy per request
+        self.copy_widths = sparse_widths(plan.max_concurrent_slots)
         self.num_copies = 0
-        self.device_cache = (allocate_cache(cfg, plan.num_slots, plan.num_pages, plan.page_size, dtype)
-                      if allocate else None)
+        self.device_cache = (committed(allocate_cache(cfg, plan.num_slots, plan.num_pages, plan.page_size, dtype))
+                             if allocate else None)
         self.dispatch = dispatch if dispatch is not None else LocalDispatch()
         self.dispatch.register("cache_copy", self._run_copy)
         self.dispatch.register("host_offload", self._run_offload)
@@ -148,19 +177,23 @@ class CacheManager:
             self._page_copies.clear()
             self._slot_copies.clear()
             return n
+        # more copies than the widest program (never from one schedule's admissions) go in
+        # several calls: sources (prefix-cache pages, request slots) and destinations (fresh
+        # pages, snapshot slots) are disjoint, so the order between calls does not matter
+        widest = self.copy_widths[-1]
         for name, copies in (("pages", self._page_copies), ("slots", self._slot_copies)):
-            if copies:
-                src, dst = zip(*copies)
-                self.dispatch("cache_copy", name, np.asarray(pad_pow2(src), np.int32),
-                              np.asarray(pad_pow2(dst), np.int32))
-                copies.clear()
+            for i in range(0, len(copies), widest):
+                src, dst = zip(*copies[i:i + widest])
+                w = width_for(len(src), self.copy_widths)
+                self.dispatch("cache_copy", name, _padded(src, w), _padded(dst, w))
+            copies.clear()
         self.num_copies += n
         return n
 
     def _run_copy(self, name: str, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy pages or slots (``name``: "pages", "slots") ``src`` onto ``dst``, index arrays
-        padded to a power of two with repeats of the first copy (identical writes, defined)
-        — the dispatched operation "cache_copy"."""
+        padded to one of ``copy_widths`` with repeats of the first copy (identical writes,
+        defined) — the dispatched operation "cache_copy"."""
         if name not in ("pages", "slots"):
             raise ValueError(f"no cache copy program {name!r}")
         self.device_cache = self._program(name)(self.device_cache, jnp.asarray(src), jnp.asarray(dst))
@@ -287,17 +320,47 @@ class CacheManager:
         self._host.pop(eid, None)
 
     def _program(self, name: str):
-        """The jitted cache program ``name`` (``PROGRAMS``), built once. Programs that return
-        a cache donate it and keep the layout the step expects (its shardings)."""
+        """The jitted cache program ``name`` (``PROGRAMS``), built once and counted in
+        ``programs`` as ``cache_<name>``. Programs that return a cache donate it and keep the
+        layout the step expects (its shardings)."""
         fn = self._copy_fns.get(name)
         if fn is None:
             import jax
 
             body, writes = PROGRAMS[name]
-            fn = (jax.jit(body, donate_argnums=0, out_shardings=jax.tree.map(lambda a: a.sharding, self.device_cache))
-                  if writes else jax.jit(body))
-            self._copy_fns[name] = fn
+            kw = (dict(donate_argnums=0, out_shardings=jax.tree.map(lambda a: a.sharding, self.device_cache))
+                  if writes else {})
+            fn = self._copy_fns[name] = self.programs.jit(body, f"cache_{name}", **kw)
         return fn
+
+    def warm_programs(self, *, copies: bool, read: list[int] = (), load: list[int] = ()) -> None:
+        """Compile the cache programs serving will call, at each index length it can give
+        them, by running them once on harmless indices (warm-up; not dispatched: every process
+        runs it by itself). ``copies``: the page and slot copies of prefix caching, at
+        ``copy_widths``; ``read`` / ``load``: the page counts (padded) that host-tier offloads
+        and P/D exports read, and host-tier reloads and P/D imports write.
+
+        The copies write page 0 and the scratch slot onto themselves; a read gathers page 0;
+        a load drops its pages (an index past the pool) and writes the scratch slot's own
+        state back, so the cache is unchanged."""
+        if self.device_cache is None:
+            return
+        scratch = self.scratch_slot(0)
+        if copies:
+            for w in self.copy_widths:
+                self._run_copy("pages", _padded([0], w), _padded([0], w))
+                self._run_copy("slots", _padded([scratch], w), _padded([scratch], w))
+        import jax
+
+        for w in sorted(set(read) | set(load)):
+            idx = np.zeros(w, np.int32)
+            copy = HostCopy(self._program("read")(self.device_cache, jnp.int32(scratch), jnp.asarray(idx)))
+            if w in load:  # as a reload gets them: still on the device, and back from host memory
+                drop = np.full(w, self.pages.num_pages, np.int32)
+                for _ in range(2):
+                    self._load(copy.device_arrays(), drop, np.zeros(w, np.int32), scratch, 0, "warm-up")
+                    copy.to_host()
+        jax.block_until_ready(self.device_cache)
 
     def block_for(self, req: _Request, k: int) -> int:
         return req.group * self.dcp + (k + req.rank0) % self.dcp
