@@ -46,16 +46,16 @@ def serve(args) -> int:
 
             return serve_follower(args, path, cluster)
     metrics = Metrics()
-    try:  # what a router reads at registration, known before the load (worker_info.py)
+    try:  # what a router reads at registration, known before the load (worker_info.py); the keys
         plan = EnginePlan.from_serve_args(args, num_processes=cluster.num_processes if cluster is not None else 1)
+        api_key = load_key(args.api_key, getattr(args, "api_key_file", None), API_KEY_ENV)
+        admin_key = load_key(None, getattr(args, "admin_key_file", None), ADMIN_KEY_ENV)
     except ValueError as e:
         print(f"k3serve: {e}", file=sys.stderr, flush=True)
         return 1
     servicer = Servicer(model_dir=path, served_model_name=args.served_model_name or path.name, metrics=metrics,
                         plan=plan, role=getattr(args, "role", "unified"),
                         bootstrap_port=getattr(args, "bootstrap_port", None))
-    api_key = load_key(args.api_key, getattr(args, "api_key_file", None), API_KEY_ENV)
-    admin_key = load_key(None, getattr(args, "admin_key_file", None), ADMIN_KEY_ENV)
     server = GrpcServer(servicer, host=args.host, port=args.port, api_key=api_key, admin_key=admin_key,
                         tls_cert=args.tls_cert,
                         tls_key=args.tls_key, max_message_bytes=args.max_message_mb << 20,
