@@ -4,6 +4,7 @@ graceful shutdown. Every server binds 127.0.0.1 on a free port and is stopped at
 from __future__ import annotations
 
 import io
+import json
 import threading
 import time
 import zipfile
@@ -553,11 +554,9 @@ def test_loads_count_request_pages_only(served, monkeypatch):
     call.cancel()
     _all_free(loop)
     # GetModelInfo reads config.json once, not per call
-    from k3serve.server.api import grpc_service
-
     stub.GetModelInfo(pb.GetModelInfoRequest())
     reads = []
-    monkeypatch.setattr(grpc_service.json, "loads", lambda *a, **k: reads.append(a) or {})
+    monkeypatch.setattr(json, "loads", lambda *a, **k: reads.append(a) or {})
     stub.GetModelInfo(pb.GetModelInfoRequest())
     assert reads == []
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json  # tests/test_grpc_server.py patches grpc_service.json.loads (config.json is read once)
 import math
 import time
 import uuid

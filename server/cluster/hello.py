@@ -87,7 +87,6 @@ def accept_hellos(srv: socket.socket, secret: bytes, num_processes: int, timeout
     want = num_processes - 1
 
     def handshake(conn: socket.socket, addr) -> None:
-        nonlocal done
         try:
             conn.settimeout(hello_timeout_s)
             nonce = new_nonce()
