@@ -21,6 +21,12 @@ import tempfile
 
 import pytest
 
+# The test venv has libtpu (the ``tpu`` extra, for the AOT-compile tests): the tests mean the
+# CPU (libtpu's probe for a TPU costs ~0.7 s a process and prints errors), and both xdist
+# workers may load libtpu to compile for a topology at once (it takes a lock file otherwise).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 from k3serve.compile_cache import enable_compile_cache
 
 # ``<home>/jax``: a ``k3serve serve`` subprocess given ``K3SERVE_CACHE=<home>`` (``cache_home``)

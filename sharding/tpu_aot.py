@@ -1,0 +1,167 @@
+"""Ahead-of-time compilation for a TPU topology on a host without TPUs (libtpu, compile only).
+
+Why: a Pallas TPU kernel's interpret mode ignores Mosaic's rules (tiling, alignment, VMEM),
+and XLA:CPU says nothing of a TPU's memory. libtpu (the ``tpu`` extra: ``jax[tpu]`` pinned to
+our jax) compiles for a named topology — ``tpu7x:2x2x1`` is 8 devices (4 chips), ``tpu7x:2x2x4``
+32 (16 chips) — with no TPU attached: the default backend stays the CPU, arguments are
+``ShapeDtypeStruct``s placed on the topology's devices, and ``jit(f).lower(...).compile()``
+runs Mosaic and XLA:TPU for real. A v7x device is one TensorCore (two per chip).
+
+What this gives: :func:`topology_devices`, :func:`tpu_mesh`, :func:`placed` (arguments);
+:func:`compile_for_tpu` (lower under the mesh's abstract mesh — Pallas asks the default
+device's TPU info otherwise — and compile); :func:`program_report` (per-device memory,
+FLOPs, bytes accessed, collectives, copies of parameters, Mosaic kernels' scoped VMEM).
+Nothing here runs a program.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import os
+import re
+import time
+
+import numpy as np
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+               "collective-permute", "collective-broadcast")
+
+
+class LibtpuMissing(RuntimeError):
+    """libtpu is not installed: ``pip install 'k3serve[tpu]'`` (``jax[tpu]`` of our jax)."""
+
+
+def require_libtpu() -> None:
+    """Raise :class:`LibtpuMissing`, saying how to install it, unless libtpu can be imported."""
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None:  # the 'tpu' extra's jax[tpu] brings it
+        import jax
+
+        raise LibtpuMissing(f"compiling for TPU needs libtpu: pip install 'jax[tpu]=={jax.__version__}' "
+                            "(k3serve's 'tpu' extra)")
+
+
+@functools.lru_cache(maxsize=None)
+def topology_devices(name: str) -> tuple:
+    """The devices of TPU topology ``name`` (e.g. ``"tpu7x:2x2x4"``), for compiling only."""
+    require_libtpu()
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # tests run two processes at once
+    from jax.experimental import topologies
+
+    return tuple(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+
+
+def tpu_mesh(name: str, shape: tuple[int, ...] = (), axes: tuple[str, ...] = ()):
+    """An Auto-axes mesh of ``shape`` over the first ``prod(shape)`` devices of topology
+    ``name`` (``shape=()``: one device, no axes)."""
+    from jax.sharding import AxisType, Mesh
+
+    devs = topology_devices(name)
+    n = int(np.prod(shape)) if shape else 1
+    if n > len(devs):
+        raise ValueError(f"mesh {shape} needs {n} devices; {name} has {len(devs)}")
+    arr = np.asarray(devs[:n], dtype=object).reshape(shape or (1,))
+    return Mesh(arr, axes or ("x",), axis_types=(AxisType.Auto,) * max(1, len(axes)))
+
+
+def placed(shape, dtype, mesh, spec=None):
+    """``ShapeDtypeStruct(shape, dtype)`` placed on ``mesh`` with ``PartitionSpec`` ``spec``
+    (default: replicated)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return jax.ShapeDtypeStruct(tuple(shape), dtype,
+                                sharding=NamedSharding(mesh, spec if spec is not None else PartitionSpec()))
+
+
+def compile_for_tpu(fn, args, mesh, **jit_kwargs):
+    """``(compiled, seconds)``: ``jax.jit(fn, **jit_kwargs)`` lowered on ``args`` (placed on
+    ``mesh``'s TPU devices) and compiled by libtpu."""
+    import jax
+
+    t = time.perf_counter()
+    with _abstract(mesh):
+        lowered = jax.jit(fn, **jit_kwargs).lower(*args)
+    compiled = lowered.compile()
+    return compiled, time.perf_counter() - t
+
+
+@contextlib.contextmanager
+def _abstract(mesh):
+    import jax
+
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        yield
+
+
+def memory(compiled) -> dict:
+    """Per-device bytes of ``compiled`` as the compiler counts them."""
+    m = compiled.memory_analysis()
+    return {"argument": int(m.argument_size_in_bytes), "output": int(m.output_size_in_bytes),
+            "alias": int(m.alias_size_in_bytes), "temp": int(m.temp_size_in_bytes),
+            "code": int(m.generated_code_size_in_bytes)}
+
+
+def cost(compiled) -> dict:
+    """``{"flops", "bytes_accessed"}`` per device. XLA:TPU counts a while loop's body once."""
+    c = compiled.cost_analysis() or {}
+    if isinstance(c, (list, tuple)):
+        c = c[0] if c else {}
+    return {"flops": float(c.get("flops", 0.0)), "bytes_accessed": float(c.get("bytes accessed", 0.0))}
+
+
+_OP = re.compile(r"=\s*(?:\([^=]*?\)|\S+)\s+([a-z][a-z0-9-]*)\(")
+
+
+def collectives(compiled) -> dict[str, int]:
+    """Collective ops in the partitioned HLO, by opcode (``-start`` / ``-done`` pairs count once)."""
+    n = collections.Counter()
+    for line in compiled.as_text().splitlines():
+        m = _OP.search(line)
+        if not m:
+            continue
+        op = m.group(1)
+        if op.endswith("-done"):
+            continue
+        op = op.removesuffix("-start")
+        if op in COLLECTIVES:
+            n[op] += 1
+    return dict(n)
+
+
+def copies(compiled) -> list[str]:
+    """The HLO lines of ``copy`` ops (and ``copy-start``) in ``compiled``: a pool or weight the
+    compiler re-lays out around a kernel shows up here."""
+    out = []
+    for line in compiled.as_text().splitlines():
+        m = _OP.search(line)
+        if m and m.group(1) in ("copy", "copy-start"):
+            out.append(line.strip())
+    return out
+
+
+_USED_VMEM = re.compile(r'"used_scoped_memory_configs":\[([^\]]*)\]')
+_LIMIT_VMEM = re.compile(r'"scoped_memory_configs":\[([^\]]*)\]')
+_SIZE = re.compile(r'"size":"(\d+)"')
+
+
+def scoped_vmem(compiled) -> list[dict]:
+    """Each Mosaic kernel (``tpu_custom_call``) of ``compiled``: ``{"used", "limit"}`` bytes of
+    scoped VMEM (the limit is the kernel's ``vmem_limit_bytes``; 32 MiB when it sets none)."""
+    out = []
+    for line in compiled.as_text().splitlines():
+        if "tpu_custom_call" not in line:
+            continue
+        used, limit = _USED_VMEM.search(line), _LIMIT_VMEM.search(line)
+        size = lambda m: sum(int(v) for v in _SIZE.findall(m.group(1))) if m else 0  # noqa: E731
+        out.append({"used": size(used), "limit": size(limit)})
+    return out
+
+
+def program_report(name: str, compiled, seconds: float) -> dict:
+    """The fields ``k3serve compile`` prints and writes for one compiled program."""
+    mem = memory(compiled)
+    return {"name": name, "ok": True, "error": None, "compile_s": round(seconds, 3),
+            "bytes_per_device": mem, **cost(compiled), "collectives": collectives(compiled)}
