@@ -242,18 +242,18 @@ def cmd_plan(args) -> int:
 def _plan_compare_seed(args, cfg, inv) -> int:
     import dataclasses
 
-    from ..sharding.roofline import DSPARK, TPU_V7
+    from ..sharding.roofline import DSPARK, TPU7X
     from ..sharding.plan_compare import AGENTX_CONTEXT, compare_seed, plot_comparison, print_comparison
 
-    chip = dataclasses.replace(TPU_V7, collective_latency_s=args.collective_us * 1e-6)
+    device = dataclasses.replace(TPU7X, collective_latency_s=args.collective_us * 1e-6)
     draft = dataclasses.replace(DSPARK, accepted=args.accept_length) if args.accept_length else DSPARK
-    cmp = compare_seed(cfg, inv, chip, context_len=args.context_len or AGENTX_CONTEXT, draft=draft)
+    cmp = compare_seed(cfg, inv, device, context_len=args.context_len or AGENTX_CONTEXT, draft=draft)
     if args.json:
         from ..sharding.plan_compare import comparison_json
 
-        print(json.dumps(comparison_json(cmp, chip), indent=1))
+        print(json.dumps(comparison_json(cmp, device), indent=1))
     else:
-        print_comparison(cmp, chip)
+        print_comparison(cmp, device)
     if args.png:
         try:
             plot_comparison(cmp, args.png)
@@ -268,17 +268,17 @@ def _plan_roofline(args, cfg, inv) -> int:
     import dataclasses
 
     from ..sharding.recipe import Recipe, RecipeError
-    from ..sharding.roofline import TPU_V7, candidate_recipes, recommend
+    from ..sharding.roofline import TPU7X, candidate_recipes, recommend
     from ..sharding.plan_report import print_recommendation, print_roofline, roofline_rows
 
-    chip = dataclasses.replace(TPU_V7, collective_latency_s=args.collective_us * 1e-6)
+    device = dataclasses.replace(TPU7X, collective_latency_s=args.collective_us * 1e-6)
     concurrency = [int(x) for x in (args.concurrency or "1").split(",")]
     if args.recommend:
         recipes = candidate_recipes(cfg, args.recommend)
         if not recipes:
             print(f"error: no recipe over {args.recommend} devices fits this config", file=sys.stderr)
             return 2
-        ranked = recommend(cfg, recipes, inv, context_len=args.context_len, concurrency=concurrency[0], chip=chip,
+        ranked = recommend(cfg, recipes, inv, context_len=args.context_len, concurrency=concurrency[0], device=device,
                            usable_fraction=args.usable_fraction, snapshots_per_request=args.snapshots_per_request)
         print_recommendation(ranked[: args.top], args.recommend, args.context_len, concurrency[0], args.json)
         return 0
@@ -287,7 +287,7 @@ def _plan_roofline(args, cfg, inv) -> int:
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print_roofline(roofline_rows(cfg, recipes, inv, [args.context_len], concurrency, chip), chip, args.json)
+    print_roofline(roofline_rows(cfg, recipes, inv, [args.context_len], concurrency, device), device, args.json)
     return 0
 
 
@@ -409,7 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="preset or 'ep=8,tp=4,dcp=32,sp=4' (repeat to compare); default: TP-only, DCP32, DP2xDCP16")
     pl.add_argument("--context-len", type=int, default=None,
                     help="tokens per request (default 131072; 65536 with --compare-seed)")
-    pl.add_argument("--hbm-gb", type=float, default=192.0, help="HBM per device (TPU v7: 192)")
+    pl.add_argument("--hbm-gb", type=float, default=101.74,
+                    help="HBM per device in GB (TPU v7: a TensorCore, 94.75 GiB = 101.74 GB as libtpu counts it)")
     pl.add_argument("--usable-fraction", type=float, default=0.9)
     pl.add_argument("--snapshots-per-request", type=float, default=2.0,
                     help="prefix-cache KDA snapshot slots per request (serve's default 2 x max-num-seqs "

@@ -86,7 +86,7 @@ def weights_per_device(inventory, recipe: Recipe) -> float:
     return float(sum(math.prod(shape) * itemsize / shards(path, shape, recipe) for path, shape, itemsize in inventory))
 
 
-def plan_memory(cfg, recipe: Recipe, inventory, *, context_len: int = 131072, hbm_gb: float = 192.0,
+def plan_memory(cfg, recipe: Recipe, inventory, *, context_len: int = 131072, hbm_gb: float = 101.74,
                 usable_fraction: float = 0.9, kv_itemsize: int = 2, state_itemsize: int = 4,
                 snapshots_per_request: float = 2.0) -> MemoryPlan:
     """Bytes per device and the max concurrent requests at ``context_len`` tokens each, each

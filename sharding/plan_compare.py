@@ -1,6 +1,6 @@
 """``k3serve plan --compare-seed``: the roofline of the seed's two decode recipes at
 concurrency 1–72, with and without the DSpark drafter, next to the figures published for K3 on
-a 32-chip TPU v7 slice (docs/choosing-a-recipe.md, "Against the published figures").
+a 32-device (16-chip) TPU v7 slice (docs/choosing-a-recipe.md, "Against the published figures").
 
 Published figures (quoted in issue #18; the seed's full AgentX table is not in this repository):
 
@@ -40,7 +40,7 @@ class Comparison:
         return SEED_TOTAL_AT_72 / self.at_72[speculative] - 1.0
 
 
-def compare_seed(cfg, inventory, chip, *, context_len: int = AGENTX_CONTEXT, draft=None,
+def compare_seed(cfg, inventory, device, *, context_len: int = AGENTX_CONTEXT, draft=None,
                  concurrency=CONCURRENCY) -> Comparison:
     from .recipe import PRESETS
     from .roofline import DSPARK, step_cost
@@ -51,7 +51,7 @@ def compare_seed(cfg, inventory, chip, *, context_len: int = AGENTX_CONTEXT, dra
         for spec in (False, True):
             pts = []
             for b in concurrency:
-                c = step_cost(cfg, PRESETS[name], inventory, context_len=context_len, concurrency=b, chip=chip,
+                c = step_cost(cfg, PRESETS[name], inventory, context_len=context_len, concurrency=b, device=device,
                               draft=draft if spec else None)
                 pts.append((b, c.tok_s_per_user, c.tok_s_total, c.bound))
             curves[(name, spec)] = pts
@@ -60,19 +60,19 @@ def compare_seed(cfg, inventory, chip, *, context_len: int = AGENTX_CONTEXT, dra
         low, high = curves[(SEED_RECIPES[0], spec)], curves[(SEED_RECIPES[1], spec)]
         crossover[spec] = next((a[0] for a, b in zip(low, high) if b[2] > a[2]), None)
         best = lambda b: max(step_cost(cfg, PRESETS[n], inventory, context_len=context_len, concurrency=b,  # noqa: E731
-                                       chip=chip, draft=draft if spec else None).tok_s_total for n in SEED_RECIPES)
+                                       device=device, draft=draft if spec else None).tok_s_total for n in SEED_RECIPES)
         at_1[spec], at_72[spec] = best(1), best(72)
     ti = TPU_INFERENCE
     ceiling = max(step_cost(cfg, PRESETS[n], inventory, context_len=ti["context"], concurrency=ti["concurrency"],
-                            chip=chip).tok_s_per_user for n in SEED_RECIPES)
+                            device=device).tok_s_per_user for n in SEED_RECIPES)
     return Comparison(context=context_len, draft=draft, curves=curves, crossover=crossover, at_1=at_1,
                       at_72=at_72, tpu_inference_ceiling=ceiling)
 
 
-def comparison_json(cmp: Comparison, chip) -> dict:
+def comparison_json(cmp: Comparison, device) -> dict:
     """The comparison as plain data (``--compare-seed --json``)."""
     return {
-        "chip": dataclasses.asdict(chip), "context": cmp.context, "draft": dataclasses.asdict(cmp.draft),
+        "device": dataclasses.asdict(device), "context": cmp.context, "draft": dataclasses.asdict(cmp.draft),
         "curves": [{"recipe": n, "speculative": s,
                     "points": [{"concurrency": b, "tok_s_per_user": round(u, 1), "tok_s_total": round(t, 1),
                                 "bound": bd} for b, u, t, bd in pts]} for (n, s), pts in cmp.curves.items()],
@@ -87,9 +87,9 @@ def comparison_json(cmp: Comparison, chip) -> dict:
     }
 
 
-def print_comparison(cmp: Comparison, chip) -> None:
+def print_comparison(cmp: Comparison, device) -> None:
     d = cmp.draft
-    print(f"decode roofline of the seed's recipes on 32 x {chip.name}, {cmp.context:,} tokens of context; "
+    print(f"decode roofline of the seed's recipes on 32 x {device.name}, {cmp.context:,} tokens of context; "
           f"'+{d.name}': {d.verify_tokens} tokens verified and {d.accepted:g} accepted per request and step, "
           f"drafter {d.params / 1e9:.2f}B params, {d.layers} layers")
     heads = [f"{n}{' +' + d.name if s else ''}" for n in SEED_RECIPES for s in (False, True)]

@@ -6,14 +6,14 @@ import dataclasses
 import json
 
 
-def roofline_rows(cfg, recipes, inventory, contexts, concurrencies, chip) -> list[dict]:
+def roofline_rows(cfg, recipes, inventory, contexts, concurrencies, device) -> list[dict]:
     from .roofline import step_cost
 
     rows = []
     for r in recipes:
         for L in contexts:
             for B in concurrencies:
-                c = step_cost(cfg, r, inventory, context_len=L, concurrency=B, chip=chip)
+                c = step_cost(cfg, r, inventory, context_len=L, concurrency=B, device=device)
                 rows.append({"recipe": c.recipe, "context": L, "concurrency": B, "step_ms": round(c.step_s * 1e3, 3),
                              "bound": c.bound, "hbm_gb": round(sum(c.hbm_bytes.values()) / 1e9, 3),
                              "ici_mb": round(sum(c.ici_bytes.values()) / 1e6, 2),
@@ -22,13 +22,13 @@ def roofline_rows(cfg, recipes, inventory, contexts, concurrencies, chip) -> lis
     return rows
 
 
-def print_roofline(rows: list[dict], chip, as_json: bool) -> None:
+def print_roofline(rows: list[dict], device, as_json: bool) -> None:
     if as_json:
-        print(json.dumps({"chip": dataclasses.asdict(chip), "steps": rows}, indent=1))
+        print(json.dumps({"device": dataclasses.asdict(device), "steps": rows}, indent=1))
         return
-    print(f"decode step per chip on {chip.name}: HBM {chip.hbm_bytes_per_s / 1e12:g} TB/s, ICI "
-          f"{chip.ici_bytes_per_s / 1e12:g} TB/s out, {chip.flops_per_s / 1e12:g} TFLOP/s, "
-          f"{chip.collective_latency_s * 1e6:g} us per collective (docs/choosing-a-recipe.md)")
+    print(f"decode step per device on {device.name}: HBM {device.hbm_bytes_per_s / 1e12:g} TB/s, ICI "
+          f"{device.ici_bytes_per_s / 1e12:g} TB/s out, {device.flops_per_s / 1e12:g} TFLOP/s, "
+          f"{device.collective_latency_s * 1e6:g} us per collective (docs/choosing-a-recipe.md)")
     head = ("recipe", "context", "conc", "step ms", "bound", "HBM GB", "ICI MB", "GFLOP", "tok/s/user", "tok/s")
     print(f"{head[0]:<28}" + "".join(f"{h:>11}" for h in head[1:]))
     for x in rows:
@@ -42,7 +42,7 @@ def print_recommendation(ranked: list[dict], devices: int, context: int, concurr
         print(json.dumps({"devices": devices, "context": context, "concurrency": concurrency, "ranked": ranked},
                          indent=1))
         return
-    print(f"recipes for {devices} chips, {concurrency} requests of {context:,} tokens, best first:")
+    print(f"recipes for {devices} devices, {concurrency} requests of {context:,} tokens, best first:")
     for i, x in enumerate(ranked, 1):
         fit = "" if x["fits"] else f"  (does not fit: at most {x['max_concurrent']} requests)"
         print(f"{i:>3}. {x['recipe']:<28} {x['tok_s_total']:>10.0f} tok/s  {x['tok_s_per_user']:>7.0f} tok/s/user  "

@@ -142,13 +142,13 @@ class Recipe:
 
 PRESETS: dict[str, Recipe] = {
     "single": Recipe(name="single"),
-    # TPU v7, 32 chips: decode at low/mid concurrency
+    # TPU v7, 32 devices (16 chips): decode at low/mid concurrency
     "v7-32-decode": Recipe(ep=8, tp=4, dcp=32, sp=4, name="v7-32-decode"),
-    # TPU v7, 32 chips: decode at >= 48 concurrent requests (attention DP2 x DCP16)
+    # TPU v7, 32 devices (16 chips): decode at >= 48 concurrent requests (attention DP2 x DCP16)
     "v7-32-decode-dp2": Recipe(ep=8, tp=4, dp=2, dcp=16, sp=4, name="v7-32-decode-dp2"),
-    # TPU v7, 32 chips: prefill slice
+    # TPU v7, 32 devices (16 chips): prefill slice
     "v7-32-prefill": Recipe(ep=32, tp=1, name="v7-32-prefill"),
-    # TPU v7, 16 chips
+    # TPU v7, 16 devices (8 chips)
     "v7-16-decode": Recipe(ep=4, tp=4, dcp=16, sp=4, name="v7-16-decode"),
     # small ones for tests on CPU virtual devices
     "test-4": Recipe(ep=2, tp=2, dcp=4, sp=2, sp_min_rows=2, name="test-4"),

@@ -1,21 +1,26 @@
-"""A decode-step roofline: what one step of a recipe costs each chip, and the throughput
+"""A decode-step roofline: what one step of a recipe costs each device, and the throughput
 that follows (``k3serve plan --concurrency``; docs/choosing-a-recipe.md).
 
-For a config, a recipe, a context length and a concurrency ``B`` (requests decoding at once
-over the whole mesh, ``B / dp`` per attention DP group), per chip and per step:
+A *device* is what JAX counts and what a recipe's sizes multiply to: on TPU v7 one
+TensorCore, two to a chip (a 16-chip slice is 32 devices). Its HBM, bandwidth and FLOPs are
+half the chip's; libtpu gives a device 94.75 GiB of HBM (a compile that needs more fails
+"exceeds available HBM (94.75G)"), which is what the planner plans against.
 
-* **HBM bytes read**: the chip's shard of every non-routed weight (attention, shared experts,
+For a config, a recipe, a context length and a concurrency ``B`` (requests decoding at once
+over the whole mesh, ``B / dp`` per attention DP group), per device and per step:
+
+* **HBM bytes read**: the device's shard of every non-routed weight (attention, shared experts,
   dense MLP, latent projections, norms, router; the LM head's vocab shard; the embedding only
   for the step's rows); the routed experts the step's tokens touch — with uniform routing a
   layer's expert is touched with probability ``1 − (1 − k/E)^T`` for ``T`` tokens, and the
-  chip reads its share (experts span all chips); the MLA latent cache of its group's requests
+  device reads its share (experts span all devices); the MLA latent cache of its group's requests
   over the context, divided by ``dcp``; the KDA state of its heads, read and written.
 * **ICI bytes sent**: EP dispatch and combine (each token's routed input to ``k`` experts,
-  ``tp`` slices each, and the outputs back; the share leaving the chip); the two
+  ``tp`` slices each, and the outputs back; the share leaving the device); the two
   tensor-parallel all-reduces per layer (attention output, FFN output) of the group's tokens,
   as a ring (``2 (G − 1) / G`` of the bytes); the DCP merge of partial attention outputs
   (fp32 outputs and log-sum-exp, ``dcp − 1`` of ``dcp`` parts).
-* **FLOPs**: 2 per weight and token for the shard of the matmuls the chip runs, the
+* **FLOPs**: 2 per weight and token for the shard of the matmuls the device runs, the
   ``k`` routed experts per token (dequantized MXFP4 counted as dense), the MLA attention over
   the context (absorbed: scores and values in the latent space), the KDA state update.
 
@@ -39,21 +44,26 @@ from .recipe import Recipe
 
 
 @dataclasses.dataclass(frozen=True)
-class Chip:
+class Device:
+    """One JAX device's resources (a recipe's unit: on TPU v7 a TensorCore)."""
     name: str
     hbm_bytes_per_s: float
-    ici_bytes_per_s: float  # what one chip can send per second over its ICI links
+    ici_bytes_per_s: float  # what one device can send per second over its chip's ICI links
     flops_per_s: float  # dense bf16 matmul peak
-    hbm_gb: float
+    hbm_gb: float  # HBM the compiler lets a program use, in GB (1e9)
     collective_latency_s: float = 5e-6  # fixed cost of one collective (an assumption, not published)
+    per_chip: int = 1  # devices on one chip
 
 
-# TPU7x (Ironwood), per chip: 2,307 TFLOPs bf16 (4,614 fp8) and 192 GiB of HBM
-# (docs.cloud.google.com/tpu/docs/tpu7x, "System architecture" table); 7.37 TB/s of HBM
+# TPU7x (Ironwood), per chip: two TensorCores, 2,307 TFLOPs bf16 (4,614 fp8) and 192 GiB of
+# HBM (docs.cloud.google.com/tpu/docs/tpu7x, "System architecture" table); 7.37 TB/s of HBM
 # bandwidth and 1.2 TB/s of bidirectional ICI bandwidth (Google's Ironwood announcement,
-# April 2025; the same ICI figure as v5p's table). One direction: half of the ICI figure.
-TPU_V7 = Chip("TPU v7 (Ironwood)", hbm_bytes_per_s=7.37e12, ici_bytes_per_s=0.6e12, flops_per_s=2307e12,
-              hbm_gb=192 * 2**30 / 1e9)
+# April 2025; the same ICI figure as v5p's table), one direction half of it. A device is one
+# TensorCore: half of each, and the HBM libtpu reports for it, 94.75 GiB (its error for a
+# program that does not fit; the chip's 192 GiB less what the runtime keeps).
+TPU7X_HBM_GIB = 94.75
+TPU7X = Device("TPU v7 TensorCore", hbm_bytes_per_s=7.37e12 / 2, ici_bytes_per_s=0.6e12 / 2,
+               flops_per_s=2307e12 / 2, hbm_gb=TPU7X_HBM_GIB * 2**30 / 1e9, per_chip=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +72,7 @@ class Draft:
     request, the target verifies ``verify_tokens`` per request in the same step, and
     ``accepted`` tokens are emitted per request and step on average (accepted drafts plus the
     bonus token). The drafter's own cost is its weights (``params`` at 2 bytes, sharded over
-    every chip), its attention cache (``kv_bytes_per_token`` over the context, divided by
+    every device), its attention cache (``kv_bytes_per_token`` over the context, divided by
     ``dcp`` like the target's) and two collectives per layer."""
     name: str
     verify_tokens: int
@@ -85,13 +95,13 @@ class StepCost:
     devices: int
     concurrency: int
     context_len: int
-    hbm_bytes: dict  # per chip, by part
+    hbm_bytes: dict  # per device, by part
     ici_bytes: dict
     flops: dict
     hbm_s: float
     ici_s: float
     flops_s: float
-    collectives: int  # per step, each paying the chip's collective latency
+    collectives: int  # per step, each paying the device's collective latency
     latency_s: float
     step_s: float
     bound: str  # "HBM", "ICI" or "FLOPs"
@@ -112,7 +122,7 @@ def _dense_params(path: str, shape: tuple) -> int:
     return 2 * n if path.endswith("_packed") else n
 
 
-def step_cost(cfg, recipe: Recipe, inventory, *, context_len: int, concurrency: int, chip: Chip = TPU_V7,
+def step_cost(cfg, recipe: Recipe, inventory, *, context_len: int, concurrency: int, device: Device = TPU7X,
               kv_itemsize: int = 2, state_itemsize: int = 4, act_itemsize: int = 2, tokens_per_step: int = 1,
               accepted: float | None = None, draft: Draft | None = None) -> StepCost:
     """The roofline of one decode step (module doc). ``inventory``: ``memory.param_inventory``.
@@ -173,9 +183,9 @@ def step_cost(cfg, recipe: Recipe, inventory, *, context_len: int, concurrency: 
         hbm["draft weights"] = 2 * draft.params / n
         hbm["draft KV"] = (B / dp) * context_len * draft.kv_bytes_per_token / recipe.dcp
         fl["draft"] = 2 * draft.params * T / n
-    hbm_s = sum(hbm.values()) / chip.hbm_bytes_per_s
-    ici_s = sum(ici.values()) / chip.ici_bytes_per_s
-    flops_s = sum(fl.values()) / chip.flops_per_s
+    hbm_s = sum(hbm.values()) / device.hbm_bytes_per_s
+    ici_s = sum(ici.values()) / device.ici_bytes_per_s
+    flops_s = sum(fl.values()) / device.flops_per_s
     # collectives a step waits on, layer after layer: two TP reductions per layer (when the
     # group has more than one rank), dispatch and combine per MoE layer (ep > 1), a DCP merge
     # per MLA layer; plus the LM head's vocab-parallel gather
@@ -183,7 +193,7 @@ def step_cost(cfg, recipe: Recipe, inventory, *, context_len: int, concurrency: 
         (n_mla if recipe.dcp > 1 else 0) + (1 if n > 1 else 0)
     if draft is not None and n > 1:
         collectives += 2 * draft.layers + 1  # the drafter's layers and its proposals' gather
-    latency = collectives * chip.collective_latency_s
+    latency = collectives * device.collective_latency_s
     roof = max(hbm_s, ici_s, flops_s)
     bound = {hbm_s: "HBM", ici_s: "ICI", flops_s: "FLOPs"}[roof]
     if latency > roof:
@@ -196,7 +206,7 @@ def step_cost(cfg, recipe: Recipe, inventory, *, context_len: int, concurrency: 
                     bound=bound, tok_s_per_user=per_user, tok_s_total=per_user * B)
 
 
-def recommend(cfg, recipes, inventory, *, context_len: int, concurrency: int, chip: Chip = TPU_V7,
+def recommend(cfg, recipes, inventory, *, context_len: int, concurrency: int, device: Device = TPU7X,
               usable_fraction: float = 0.9, snapshots_per_request: float = 2.0) -> list[dict]:
     """The recipes that hold ``concurrency`` requests of ``context_len`` tokens in HBM, ranked
     by total tok/s (then per-user tok/s); the ones that do not fit follow, marked."""
@@ -204,9 +214,9 @@ def recommend(cfg, recipes, inventory, *, context_len: int, concurrency: int, ch
 
     rows = []
     for r in recipes:
-        mem = plan_memory(cfg, r, inventory, context_len=context_len, hbm_gb=chip.hbm_gb,
+        mem = plan_memory(cfg, r, inventory, context_len=context_len, hbm_gb=device.hbm_gb,
                           usable_fraction=usable_fraction, snapshots_per_request=snapshots_per_request)
-        cost = step_cost(cfg, r, inventory, context_len=context_len, concurrency=concurrency, chip=chip)
+        cost = step_cost(cfg, r, inventory, context_len=context_len, concurrency=concurrency, device=device)
         rows.append({"recipe": cost.recipe, "devices": r.devices, "fits": mem.max_concurrent_requests >= concurrency,
                      "max_concurrent": mem.max_concurrent_requests, "step_ms": cost.step_s * 1e3,
                      "bound": cost.bound, "tok_s_per_user": cost.tok_s_per_user, "tok_s_total": cost.tok_s_total})
@@ -214,7 +224,7 @@ def recommend(cfg, recipes, inventory, *, context_len: int, concurrency: int, ch
 
 
 def candidate_recipes(cfg, devices: int) -> list[Recipe]:
-    """Every recipe over ``devices`` chips that ``cfg`` admits (sp = 1: sequence parallelism
+    """Every recipe over ``devices`` devices that ``cfg`` admits (sp = 1: sequence parallelism
     does not change a decode step's bytes here), with the presets of that size named."""
     from .recipe import PRESETS, RecipeError
 

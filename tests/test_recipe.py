@@ -71,7 +71,7 @@ def test_validate_rejects_what_the_step_cannot_run(recipe, heads, msg):
     Recipe(ep=4, tp=2, dp=4, dcp=2).validate(cfg, num_devices=8)  # the issue's recipe fits 6 heads
 
 
-def test_memory_plan_full_k3_on_32_chips():
+def test_memory_plan_full_k3_on_32_devices():
     from k3serve.server.cli import main
     from k3serve.sharding.memory import param_inventory
     from k3serve.sharding.memory import plan_memory, weights_per_device
@@ -87,18 +87,18 @@ def test_memory_plan_full_k3_on_32_chips():
     total = sum(math.prod(s) * b for _, s, b in inv)
     single = weights_per_device(inv, Recipe())
     assert single == total
-    # ...and the 32-way split puts the experts' share on each chip, plus what the load keeps
-    # whole on every chip (the routers, 1.18 GB; MLA's low-rank down-projections, ...)
+    # ...and the 32-way split puts the experts' share on each device, plus what the load keeps
+    # whole on every device (the routers, 1.18 GB; MLA's low-rank down-projections, ...)
     experts = sum(math.prod(s) * b for p, s, b in inv if ".experts." in p and "shared" not in p)
     assert experts / 32 < tp_only.weights_per_device < experts / 32 + 6e9  # measured: 45.2 + 5.6 GB
     assert dp2.weights_per_device > dcp32.weights_per_device  # attention copied per DP group
-    assert tp_only.max_concurrent_requests == 33
+    assert tp_only.max_concurrent_requests == 11  # (0.9 x 101.74 GB - 50.77 GB) / 3.67 GB per request
     # each request also pays serve's 2 prefix-cache KDA snapshot slots (0: caching off)
     assert dcp32.snapshots_per_request == 2
     assert dcp32.per_request_per_device == 131072 * 864 + 3 * dcp32.kda_state_per_request_per_device
-    assert dcp32.max_concurrent_requests == 778 and dp2.max_concurrent_requests == 756
+    assert dcp32.max_concurrent_requests == 260 and dp2.max_concurrent_requests == 238
     off = plan_memory(full, PRESETS["v7-32-decode"], inv, snapshots_per_request=0)
-    assert off.max_concurrent_requests == 955
+    assert off.max_concurrent_requests == 319
     with pytest.raises(ValueError):
         plan_memory(full, PRESETS["v7-32-decode"], inv, snapshots_per_request=-1)
     assert main(["plan", "--recipe", "ep=8,tp=4,dp=3"]) == 2

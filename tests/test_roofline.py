@@ -39,11 +39,11 @@ def setup():
 
 def cost(setup, recipe, **kw):
     from k3serve.sharding.recipe import Recipe
-    from k3serve.sharding.roofline import TPU_V7, step_cost
+    from k3serve.sharding.roofline import TPU7X, step_cost
 
     cfg, inv = setup
-    chip = dataclasses.replace(TPU_V7, collective_latency_s=kw.pop("latency", 0.0))
-    return step_cost(cfg, Recipe.parse(recipe), inv, chip=chip, **kw)
+    device = dataclasses.replace(TPU7X, collective_latency_s=kw.pop("latency", 0.0))
+    return step_cost(cfg, Recipe.parse(recipe), inv, device=device, **kw)
 
 
 def test_bytes_counted_by_hand_on_one_device(setup):
@@ -58,8 +58,8 @@ def test_bytes_counted_by_hand_on_one_device(setup):
     assert c.hbm_bytes["routed experts"] == pytest.approx((1 - 0.75 ** 4) * routed)
     assert c.flops["routed experts"] == pytest.approx(2 * (4 * 8 * 3 * 32 * 32) * (2 / 8) * 4)
     assert c.hbm_bytes["LM head"] == 256 * 96 * 2 and c.flops["LM head"] == 2 * 96 * 256 * 4
-    assert sum(c.ici_bytes.values()) == 0 and c.collectives == 0  # nothing to exchange on one chip
-    assert c.bound == "HBM" and c.step_s == pytest.approx(sum(c.hbm_bytes.values()) / 7.37e12)
+    assert sum(c.ici_bytes.values()) == 0 and c.collectives == 0  # nothing to exchange on one device
+    assert c.bound == "HBM" and c.step_s == pytest.approx(sum(c.hbm_bytes.values()) / (7.37e12 / 2))  # a TensorCore: half the chip's
     assert c.tok_s_total == pytest.approx(4 / c.step_s)
 
 
@@ -68,7 +68,7 @@ def test_ici_and_collectives_counted_by_hand_on_two_devices(setup):
     assert c.hbm_bytes["MLA KV"] == 100 * 48 / 2  # the sequence's pages dealt over two ranks
     # two ring all-reduces per layer over 2 ranks (2 (G-1)/G = 1) of one token's [96] bf16
     assert c.ici_bytes["TP all-reduces"] == 2 * 5 * 1 * 96 * 2
-    # dispatch + combine: half a token per chip, top-2, [32] bf16 latent, half of it remote, 4 MoE layers
+    # dispatch + combine: half a token per device, top-2, [32] bf16 latent, half of it remote, 4 MoE layers
     assert c.ici_bytes["EP dispatch + combine"] == 2 * 0.5 * 2 * 32 * 2 * 0.5 * 4
     # DCP merge: 1 MLA layer, half of the partial outputs (8 heads, kv_lora 16 + lse) in fp32
     assert c.ici_bytes["DCP merge"] == 0.5 * 1 * 8 * 17 * 4
@@ -93,7 +93,8 @@ def test_full_k3_shape_latency_then_hbm_bound():
     cfg = k3_full()
     inv = param_inventory(cfg)
     rows = [step_cost(cfg, PRESETS["v7-32-decode"], inv, context_len=9216, concurrency=b) for b in (1, 8, 72)]
-    assert [r.bound for r in rows] == ["latency", "latency", "HBM"]
+    # per device (a TensorCore: half the chip's bandwidth), concurrency 8 is already HBM-bound
+    assert [r.bound for r in rows] == ["latency", "HBM", "HBM"]
     assert rows[0].tok_s_per_user > rows[1].tok_s_per_user > rows[2].tok_s_per_user
     assert rows[0].tok_s_total < rows[1].tok_s_total < rows[2].tok_s_total
     # the published anchor this should not be slower than: tpu-inference, tpu7x-32, c=8, 8k/1k: 18.35 tok/s/user
@@ -101,14 +102,14 @@ def test_full_k3_shape_latency_then_hbm_bound():
 
 
 def test_recommend_ranks_fitting_recipes_first(setup):
-    from k3serve.sharding.roofline import TPU_V7, candidate_recipes, recommend
+    from k3serve.sharding.roofline import TPU7X, candidate_recipes, recommend
 
     cfg, inv = setup
     recipes = candidate_recipes(cfg, 4)
     assert recipes and all(r.devices == 4 for r in recipes)
     assert {"ep=4,tp=1", "ep=2,tp=2,dcp=4", "ep=4,tp=1,dp=2"} <= {str(r) for r in recipes}
-    small = dataclasses.replace(TPU_V7, hbm_gb=0.002)  # 2 MB: 6 to 17 requests of 4K fit, by recipe
-    ranked = recommend(cfg, recipes, inv, context_len=4096, concurrency=10, chip=small)
+    small = dataclasses.replace(TPU7X, hbm_gb=0.002)  # 2 MB: 6 to 17 requests of 4K fit, by recipe
+    ranked = recommend(cfg, recipes, inv, context_len=4096, concurrency=10, device=small)
     fits = [x["fits"] for x in ranked]
     assert True in fits and False in fits and fits == sorted(fits, reverse=True)
     ok = [x["tok_s_total"] for x in ranked if x["fits"]]
@@ -159,10 +160,10 @@ def test_compare_seed_shape_and_published_figures(tmp_path):
     from k3serve.model.config import k3_full
     from k3serve.sharding.plan_compare import SEED_PER_USER_AT_1, compare_seed
     from k3serve.sharding.memory import param_inventory
-    from k3serve.sharding.roofline import TPU_V7
+    from k3serve.sharding.roofline import TPU7X
 
     cfg = k3_full()
-    cmp = compare_seed(cfg, param_inventory(cfg), TPU_V7)
+    cmp = compare_seed(cfg, param_inventory(cfg), TPU7X)
     assert cmp.crossover[False] is None and 40 <= cmp.crossover[True] <= 72
     assert cmp.at_1[False] < SEED_PER_USER_AT_1 < cmp.at_1[True] < 2 * SEED_PER_USER_AT_1
     assert cmp.implied_input_per_output(True) > 1 and cmp.tpu_inference_ceiling > 18.35
