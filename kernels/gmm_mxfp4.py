@@ -10,15 +10,48 @@ Activations stay unquantized (K3's experts are weight-only FP4).
 
 Layout. ``x [M, K]`` holds the tokens sorted by group (expert), ``group_sizes [G]`` how many
 rows each group has; rows past ``sum(group_sizes)`` keep ``existing`` (zeros by default).
-Weights are stacked ``[L*E, N, K/2]`` / ``[L*E, N, K/32]`` (every layer's experts, passed
+Weights are stacked ``[L*E, N, K/2]`` / ``[L*E, N, Gp]`` (every layer's experts, passed
 whole: no per-layer slice for XLA to copy); group ``g`` of a call uses weight
 ``layer * E + group_offset + g`` (``group_offset``: the first expert of this EP shard).
 
-**Repack** (:func:`repack_halves`, once at load, lossless): within each ``tk``-wide block of K,
-byte ``j`` holds element ``j`` in its low nibble and element ``j + tk/2`` in its high one (the
-checkpoint pairs elements ``2j, 2j+1``). A tile then decodes as two half tiles, each a plain
-``[tn, tk/2]`` array multiplied by one half of the activation tile — no lane interleave, and
-no ref reshape or bitcast (which TPU interpret mode rejects; values are reshaped only).
+**Stored layout** (made once at load by ``moe_gmm.repack_experts``, lossless; the reference
+path and the checkpoint keep the original):
+
+* bytes (:func:`repack_halves`): within each ``tk``-wide block of K, byte ``j`` holds element
+  ``j`` in its low nibble and element ``j + tk/2`` in its high one (the checkpoint pairs
+  elements ``2j, 2j+1``). A tile then decodes as two half tiles, each a plain ``[tn, tk/2]``
+  array multiplied by one half of the activation tile — no lane interleave, and no ref
+  reshape or bitcast (which TPU interpret mode rejects; values are reshaped only).
+* scales (:func:`pad_scales`): the checkpoint's ``[.., N, K/32]`` uint8 with zero columns up to
+  ``Gp = 128·ceil(K/4096)`` (K3: 112 or 96 -> 128; +14% / +33% of the scale bytes, ~1-2% of
+  the stack). Why: a Mosaic block's last dim must be a multiple of 128 or the whole dim, so
+  the per-``tk`` block ``(tn, tk/32)`` (16 columns) is illegal; the whole-row block ``(tn,
+  K/32)`` is legal, but XLA:TPU stores an array whose minor dim is 96 or 112 transposed
+  (``{1,2,0}``) and then copies the whole scale stack around every call; with 128 columns it
+  keeps row-major ``T(32,128)``, the layout the kernel reads. N stays the second dim, so
+  ``sharding.mesh.param_spec`` splits bytes and scales alike (experts over EP, N over tp).
+  The kernel also accepts the checkpoint's ``[.., N, K/32]`` (same result, plus that copy).
+  Rejected: k-major scales ``[.., K/32, N]`` (legal as uint16 blocks ``(16, tn)``, but the
+  positional ``param_spec`` would then split K/32 over tp, not N, and uint16 doubles the
+  bytes); pre-expanded scales (32x the bytes).
+
+In the kernel a visit fetches its ``[tn, Gp]`` scale block once (same block index for every
+k step); :func:`tile_scales` picks K tile ``kk``'s groups and repeats each 32 times with one
+bf16 matmul by a 0/1 matrix (exact: one term per output, bytes exact in bf16) — Mosaic lowers
+neither a lane slice at a dynamic offset nor a lane-expanding reshape well. Packed bytes are
+widened to uint32 before the nibble shift (Mosaic has no 8-bit shift).
+
+**VMEM and blocks.** ``vmem_limit_bytes`` is explicit (:data:`VMEM_LIMIT`, 32 MiB of a v7x
+TensorCore's 64). ``tk`` is fixed at load by the repack (:func:`tile_k`: 512 at K3's widths);
+``tm`` is the caller's row tile (8 for decode, up to 128); :func:`choose_blocks` takes the
+widest ``tn`` (a multiple of 128 dividing N, <= 2048) whose :func:`vmem_estimate` (every
+block double-buffered, accumulators, the decode's ``[tn, tk/2]`` 32-bit values) fits half the
+limit: fewer grid steps (~0.35 us each) and fewer re-reads of x, while the weights stream once
+per visit whatever tn is. Compiled for ``tpu7x`` at K3's per-device shapes (fused gate/up and
+down, tm 8 and 128) Mosaic reports 1.5-5.2 MiB of scoped VMEM used against estimates of 8-17
+MiB (``tests/test_tpu_aot_gmm.py``); no compile copies a weight stack. Unmeasured on a TPU:
+speed (the in-kernel decode is VPU work per weight element; the 0/1 matmul adds MXU work of
+``tn·Gp·tk`` per step).
 
 Grid (megablox's): ``(N / tn, visits, K / tk)``; a *visit* is one (group, row tile) pair,
 listed by :func:`group_metadata` in row order, so a row tile shared by two groups is visited
@@ -26,9 +59,10 @@ twice in a row and the second visit's masked store keeps the first's rows. Metad
 scalar-prefetched into SMEM. The visit count is static, ``ceil(M / tm) + G - 1``; visits past
 the real ones repeat the last and store nothing.
 
-Cost per call: HBM bytes ≈ ``visits · N·K·(1/2 + 1/32)`` of weights (each visit streams its
+Cost per call: HBM bytes ≈ ``visits · N·(K/2 + Gp)`` of weights (each visit streams its
 group's tiles) + ``x`` once per column tile (``(N/tn) · M·K·itemsize``) + ``M·N·4`` out;
-FLOPs ``2·M·N·K`` plus the row tiles' padding.
+FLOPs ``2·M·N·K`` plus the row tiles' padding (and the scale selection's ``2·N·Gp·K`` per
+visit on the MXU).
 """
 from __future__ import annotations
 

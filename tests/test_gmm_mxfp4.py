@@ -71,9 +71,9 @@ def _reference(x, packed, scale, sizes, base, existing):
 
 def _run(x, packed, scale, sizes, layer, E, blocks, group_offset=0, existing=None):
     # scales in the stored (padded) layout; the bf16 and fused tests pass the checkpoint's
-    return np.asarray(mxfp4_gmm(jnp.asarray(x), jnp.asarray(repack_halves(packed, blocks[1])), jnp.asarray(pad_scales(scale)),
-                                jnp.asarray(sizes, jnp.int32), layer, num_experts=E, group_offset=group_offset,
-                                blocks=blocks, existing=None if existing is None else jnp.asarray(existing),
+    w = jnp.asarray(repack_halves(packed, blocks[1])), jnp.asarray(pad_scales(scale))
+    return np.asarray(mxfp4_gmm(jnp.asarray(x), *w, jnp.asarray(sizes, jnp.int32), layer, num_experts=E,
+                                group_offset=group_offset, blocks=blocks, existing=None if existing is None else jnp.asarray(existing),
                                 interpret=INTERPRET))
 
 
