@@ -11,9 +11,10 @@ the kernel's ``tk``, scales padded to 128 columns (``gmm_mxfp4.pad_scales``).
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-from .gmm_mxfp4 import choose_blocks, mxfp4_gmm, pad_scales, repack_halves, tile_k
+from .gmm_mxfp4 import choose_blocks, mxfp4_gmm, pad_scales, repack_halves, scale_groups, tile_k
 from .moe_pairs import pair_experts
 
 
@@ -22,7 +23,14 @@ def repack_experts(packed, scale=None):
     bytes ``[..., N, K/2]`` repacked (``repack_halves`` at ``tile_k(K)``); with ``scale``
     (``[..., N, K/32]``) the pair ``(packed, scale)``, scales padded to
     ``[..., N, scale_groups(K)]`` (``pad_scales``: a minor dim of 128 keeps XLA:TPU's default
-    row-major layout, so the stack is not copied around each call)."""
+    row-major layout, so the stack is not copied around each call). Abstract arrays
+    (``jax.ShapeDtypeStruct``, an ``nnx.eval_shape`` model compiled ahead of time) get the
+    converted shapes, shardings kept."""
+    if isinstance(packed, jax.ShapeDtypeStruct):
+        if scale is None:
+            return packed
+        shape = (*scale.shape[:-1], scale_groups(2 * packed.shape[-1]))
+        return packed, jax.ShapeDtypeStruct(shape, scale.dtype, sharding=getattr(scale, "sharding", None))
     out = repack_halves(packed, tile_k(2 * packed.shape[-1]))
     return out if scale is None else (out, pad_scales(scale))
 

@@ -224,3 +224,12 @@ def test_blocks_fit_the_vmem_budget():
     assert choose_blocks(64, 96, 8)[2] == 96
     with pytest.raises(ValueError, match="no column block"):
         choose_blocks(3584, 3072, 128, budget=2**20)
+
+
+def test_repack_experts_gives_an_abstract_stack_its_stored_shapes():
+    from k3serve.kernels.moe_gmm import repack_experts
+
+    p, s = jax.ShapeDtypeStruct((92, 28, 3072, 1792), jnp.uint8), jax.ShapeDtypeStruct((92, 28, 3072, 112), jnp.uint8)
+    rp, rs = repack_experts(p, s)
+    assert rp is p and (rs.shape, rs.dtype) == ((92, 28, 3072, 128), jnp.uint8)
+    assert repack_experts(p) is p
