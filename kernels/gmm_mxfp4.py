@@ -37,9 +37,12 @@ path and the checkpoint keep the original):
 
 In the kernel a visit fetches its ``[tn, Gp]`` scale block once (same block index for every
 k step); :func:`tile_scales` picks K tile ``kk``'s groups and repeats each 32 times with one
-bf16 matmul by a 0/1 matrix (exact: one term per output, bytes exact in bf16) — Mosaic lowers
-neither a lane slice at a dynamic offset nor a lane-expanding reshape well. Packed bytes are
-widened to uint32 before the nibble shift (Mosaic has no 8-bit shift).
+bf16 matmul by a 0/1 matrix (exact: one term per output, bytes exact in bf16). Measured
+alternatives (tpu7x, down projection, tn 896, tm 128): slicing the block's 16 columns at the
+dynamic offset ``kk·16`` fails ("cannot statically prove that index in dimension 2 is a
+multiple of 128"); broadcast + reshape ``[tn, 16, 32] -> [tn, 512]`` compiles but takes 13.8
+MiB of scoped VMEM against 5.1 MiB. Packed bytes are widened to uint32 before the nibble shift
+(Mosaic has no 8-bit shift).
 
 **VMEM and blocks.** ``vmem_limit_bytes`` is explicit (:data:`VMEM_LIMIT`, 32 MiB of a v7x
 TensorCore's 64). ``tk`` is fixed at load by the repack (:func:`tile_k`: 512 at K3's widths);
@@ -117,11 +120,12 @@ def _decode_half(codes_u32, scales_u32):
 
 
 def tile_scales(ws, kk, tk: int):
-    """A ``[tn, K/32]`` scale-byte block (every group of the tile's rows) -> the scale of each
-    weight of K tile ``kk`` as two uint32 ``[tn, tk/2]`` halves (elements ``kk·tk + j`` and
-    ``kk·tk + tk/2 + j``). One matmul with a 0/1 matrix picks the tile's groups and repeats
-    each 32 times: exact (bytes are exact in bfloat16, one term per output), no lane slice at a
-    dynamic offset and no lane reshape (Mosaic lowers neither well)."""
+    """A ``[tn, G]`` scale-byte block (every group of the tile's rows, ``G >= K/32``) -> the
+    scale of each weight of K tile ``kk`` as two uint32 ``[tn, tk/2]`` halves (elements
+    ``kk·tk + j`` and ``kk·tk + tk/2 + j``). One matmul with a 0/1 matrix picks the tile's
+    groups and repeats each 32 times: exact (bytes are exact in bfloat16, one term per
+    output), with no lane slice at a dynamic offset (Mosaic rejects it) and no lane-expanding
+    reshape (2.7x the VMEM; module doc)."""
     tn, G = ws.shape
     h = tk // 2
     w = ws.astype(jnp.int32).astype(jnp.float32).astype(jnp.bfloat16)
@@ -173,7 +177,7 @@ def pad_scales(scale):
 
 VMEM_LIMIT = 32 * 2**20
 """The kernel's ``vmem_limit_bytes``: half of a v7x TensorCore's 64 MiB (the default scoped
-limit), ~10x what the chosen blocks use at K3's shapes."""
+limit), 6-20x what the chosen blocks use at K3's shapes."""
 
 
 def vmem_estimate(tm: int, tk: int, tn: int, K: int, *, x_itemsize: int = 2, weights: int = 1) -> int:
@@ -257,9 +261,9 @@ def mxfp4_gmm(x, w_packed, w_scale, group_sizes, layer=0, *, num_experts: int, g
     ``w_packed`` must be :func:`repack_halves`-ed with ``blocks[1]`` (``tk``); ``w_scale`` is
     ``[L*E, N, scale_groups(K)]`` (:func:`pad_scales`) or the checkpoint's ``[L*E, N, K/32]``
     (same result; on a TPU XLA stores a minor dim of 96 or 112 transposed and copies the whole
-    stack around the kernel). ``blocks =
-    (tm, tk, tn)``; M, N, K must be multiples of tm, tn, tk. ``interpret``: a
-    ``pltpu.InterpretParams`` (CPU tests) or None (compile for TPU).
+    stack around the kernel). ``blocks = (tm, tk, tn)`` (:func:`choose_blocks`); M, N, K must
+    be multiples of tm, tn, tk. ``vmem_limit_bytes``: the kernel's scoped VMEM limit.
+    ``interpret``: a ``pltpu.InterpretParams`` (CPU tests) or None (compile for TPU).
 
     Fused gate/up: with ``up = (packed, scale)`` (a second stack of the same shape, e.g. w3
     beside w1) and ``act`` (static, e.g. SiTU or ``silu(g) * u``, float32 in and out), the
