@@ -6,19 +6,33 @@ group, so no work), padded to a whole row tile, and run through three grouped ma
 gate (w1), up (w3), the gated activation in float32, down (w2) — each reading only the
 visited experts' packed tiles of the *whole* weight stack ``[L, E, ...]`` with the layer as
 an index (no per-layer slice for XLA to copy). The weighted rows are added back into their
-tokens. Weights must have been repacked at load (``repack_experts``).
+tokens. Weights must have been converted at load (``repack_experts``): nibbles repacked for
+the kernel's ``tk``, scales padded to 128 columns (``gmm_mxfp4.pad_scales``).
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-from .gmm_mxfp4 import default_blocks, mxfp4_gmm, repack_halves, tile_k
+from .gmm_mxfp4 import choose_blocks, mxfp4_gmm, pad_scales, repack_halves, scale_groups, tile_k
 from .moe_pairs import pair_experts
 
 
-def repack_experts(packed):
-    """The load-time repack of an expert stack's packed bytes ``[..., N, K/2]`` for the kernel."""
-    return repack_halves(packed, tile_k(2 * packed.shape[-1]))
+def repack_experts(packed, scale=None):
+    """The load-time conversion of an expert stack for the kernel (lossless, once): packed
+    bytes ``[..., N, K/2]`` repacked (``repack_halves`` at ``tile_k(K)``); with ``scale``
+    (``[..., N, K/32]``) the pair ``(packed, scale)``, scales padded to
+    ``[..., N, scale_groups(K)]`` (``pad_scales``: a minor dim of 128 keeps XLA:TPU's default
+    row-major layout, so the stack is not copied around each call). Abstract arrays
+    (``jax.ShapeDtypeStruct``, an ``nnx.eval_shape`` model compiled ahead of time) get the
+    converted shapes, shardings kept."""
+    if isinstance(packed, jax.ShapeDtypeStruct):
+        if scale is None:
+            return packed
+        shape = (*scale.shape[:-1], scale_groups(2 * packed.shape[-1]))
+        return packed, jax.ShapeDtypeStruct(shape, scale.dtype, sharding=getattr(scale, "sharding", None))
+    out = repack_halves(packed, tile_k(2 * packed.shape[-1]))
+    return out if scale is None else (out, pad_scales(scale))
 
 
 def _row_tile(M: int) -> int:
@@ -48,7 +62,7 @@ def gmm_experts(x, topk_idx, topk_w, w1, w2, w3, act, E, compute_dtype, valid, l
 
     def gmm(h, w, **fused):
         p, s = flat(w)
-        blocks = default_blocks(h.shape[1], p.shape[1], tm)
+        blocks = choose_blocks(h.shape[1], p.shape[1], tm, x_itemsize=h.dtype.itemsize, weights=1 + bool(fused))
         return mxfp4_gmm(h, p, s, sizes, lay, num_experts=E, blocks=blocks, interpret=interpret, **fused)
 
     h = gmm(xs, w1, up=flat(w3), act=act).astype(compute_dtype)  # act(gate, up), fused

@@ -38,7 +38,9 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
     """Stacked routed experts, checkpoint layout: w1/w3 [E, I, K], w2 [E, K, I].
 
-    MXFP4: ``w*_packed`` uint8 [E, N, K/2] and ``w*_scale`` uint8 [E, N, K/32]."""
+    MXFP4: ``w*_packed`` uint8 [E, N, K/2] and ``w*_scale`` uint8 [E, N, K/32]. A Pallas
+    backend converts both at load (``kernels.moe_gmm.repack_experts``): same shapes for the
+    bytes (nibbles reordered), scales padded to [E, N, 128·ceil(K/4096)]."""
 
     def __init__(self, cfg, dtype):
         E, I, K = cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_input_size

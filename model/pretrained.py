@@ -127,12 +127,15 @@ def default_kernels() -> str:
 
 
 def repack_experts_for_kernels(module) -> None:
-    """MXFP4 experts' bytes in the grouped-matmul kernel's nibble order (lossless, once)."""
+    """MXFP4 experts in the grouped-matmul kernel's stored layout (lossless, once): bytes in
+    its nibble order, scales padded to 128 columns (``kernels.moe_gmm.repack_experts``)."""
     from ..kernels.ops import repack_experts
     from .moe import Experts
 
     for _, node in nnx.iter_graph(module):
         if isinstance(node, Experts) and node.mxfp4:
             for name in ("w1", "w2", "w3"):
-                var = getattr(node, name + "_packed")
-                var.set_value(repack_experts(var.get_value()))
+                pv, sv = getattr(node, name + "_packed"), getattr(node, name + "_scale")
+                packed, scale = repack_experts(pv.get_value(), sv.get_value())
+                pv.set_value(packed)
+                sv.set_value(scale)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from k3serve.kernels.gmm_mxfp4 import group_metadata, mxfp4_gmm, repack_halves
+from k3serve.kernels.gmm_mxfp4 import group_metadata, mxfp4_gmm, pad_scales, repack_halves
 from k3serve.kernels.mxfp4 import unpack_mxfp4_np
 
 INTERPRET = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
@@ -70,9 +70,10 @@ def _reference(x, packed, scale, sizes, base, existing):
 
 
 def _run(x, packed, scale, sizes, layer, E, blocks, group_offset=0, existing=None):
-    return np.asarray(mxfp4_gmm(jnp.asarray(x), jnp.asarray(repack_halves(packed, blocks[1])), jnp.asarray(scale),
-                                jnp.asarray(sizes, jnp.int32), layer, num_experts=E, group_offset=group_offset,
-                                blocks=blocks, existing=None if existing is None else jnp.asarray(existing),
+    # scales in the stored (padded) layout; the bf16 and fused tests pass the checkpoint's
+    w = jnp.asarray(repack_halves(packed, blocks[1])), jnp.asarray(pad_scales(scale))
+    return np.asarray(mxfp4_gmm(jnp.asarray(x), *w, jnp.asarray(sizes, jnp.int32), layer, num_experts=E,
+                                group_offset=group_offset, blocks=blocks, existing=None if existing is None else jnp.asarray(existing),
                                 interpret=INTERPRET))
 
 
@@ -125,19 +126,19 @@ def test_in_kernel_decode_is_bit_exact():
     import jax
     from jax.experimental import pallas as pl
 
-    from k3serve.kernels.gmm_mxfp4 import decode_tile
+    from k3serve.kernels.gmm_mxfp4 import decode_tile, pad_scales, tile_scales
 
     N, K = 16, 128
     packed, scale = _special_weights(N, K)
     rp = repack_halves(packed, K)
 
-    def kernel(p_ref, s_ref, o_ref):
-        lo, hi = decode_tile(p_ref[...], s_ref[...])
+    def kernel(p_ref, s_ref, o_ref):  # the padded scale block, as the kernel reads it
+        lo, hi = decode_tile(p_ref[...], *tile_scales(s_ref[...], 0, K))
         o_ref[:, : K // 2] = lo
         o_ref[:, K // 2:] = hi
 
     got = np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((N, K), jnp.float32),
-                                    interpret=INTERPRET)(jnp.asarray(rp), jnp.asarray(scale)))
+                                    interpret=INTERPRET)(jnp.asarray(rp), jnp.asarray(pad_scales(scale))))
     want = unpack_mxfp4_np(packed, scale).astype(np.float32)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     assert (np.abs(want[scale[:, 0] == 0]) < np.finfo(np.float32).tiny).any()  # subnormals were tested
@@ -180,9 +181,10 @@ def test_expert_ffn_pallas_backend_matches_the_reference_strategies():
     act = lambda g, u: jax.nn.silu(g) * u  # noqa: E731
     J = lambda w: tuple(jnp.asarray(a) for a in w)  # noqa: E731
     want = np.asarray(expert_ffn(x, idx, tw, J(w1), J(w2), J(w3), act, E, valid=valid, layer=1, strategy="blocked"))
-    R = lambda w: (jnp.asarray(repack_experts(w[0])), jnp.asarray(w[1]))  # noqa: E731
+    R = lambda w: tuple(jnp.asarray(a) for a in repack_experts(*w))  # noqa: E731
     got = np.asarray(expert_ffn(x, idx, tw, R(w1), R(w2), R(w3), act, E, valid=valid, layer=1,
                                 backend="pallas-interpret"))
+    assert R(w1)[1].shape == (L, E, I, 128)  # the stored layout: scales padded to 128 columns
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     assert not got[~valid].any()
 
@@ -206,3 +208,28 @@ def test_fused_gate_up_applies_the_activation_to_both_products():
     with pytest.raises(ValueError, match="needs both"):
         mxfp4_gmm(jnp.asarray(x), *R(wg), jnp.asarray(sizes, jnp.int32), num_experts=E, blocks=(8, 64, 64),
                   up=R(wu), interpret=INTERPRET)
+
+
+def test_blocks_fit_the_vmem_budget():
+    """Column blocks are the widest multiple of 128 dividing N whose estimate fits the budget;
+    a tighter budget gives narrower ones; toy widths keep N whole."""
+    from k3serve.kernels.gmm_mxfp4 import VMEM_LIMIT, choose_blocks, scale_groups, vmem_estimate
+
+    assert scale_groups(3584) == scale_groups(3072) == 128 and scale_groups(8192) == 256
+    for K, N, tm, nw in ((3584, 3072, 128, 2), (3072, 896, 8, 1), (3584, 768, 8, 2)):
+        tm_, tk, tn = choose_blocks(K, N, tm, weights=nw)
+        assert (tm_, tk) == (tm, 512) and N % tn == 0 and tn % 128 == 0
+        assert vmem_estimate(tm, tk, tn, K, weights=nw) <= VMEM_LIMIT // 2
+        assert choose_blocks(K, N, tm, weights=nw, budget=VMEM_LIMIT // 8)[2] < tn
+    assert choose_blocks(64, 96, 8)[2] == 96
+    with pytest.raises(ValueError, match="no column block"):
+        choose_blocks(3584, 3072, 128, budget=2**20)
+
+
+def test_repack_experts_gives_an_abstract_stack_its_stored_shapes():
+    from k3serve.kernels.moe_gmm import repack_experts
+
+    p, s = jax.ShapeDtypeStruct((92, 28, 3072, 1792), jnp.uint8), jax.ShapeDtypeStruct((92, 28, 3072, 112), jnp.uint8)
+    rp, rs = repack_experts(p, s)
+    assert rp is p and (rs.shape, rs.dtype) == ((92, 28, 3072, 128), jnp.uint8)
+    assert repack_experts(p) is p

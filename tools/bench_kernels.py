@@ -61,21 +61,22 @@ def main() -> None:
         print(f"skipped: Pallas TPU kernels need a TPU (this backend is {jax.default_backend()}); "
               "--interpret runs tiny shapes through the interpreter")
         return
-    from k3serve.kernels.gmm_mxfp4 import default_blocks, mxfp4_gmm, repack_halves, tile_k
+    from k3serve.kernels.gmm_mxfp4 import default_blocks, mxfp4_gmm
+    from k3serve.kernels.moe_gmm import repack_experts
 
     rng = np.random.default_rng(0)
     E, K, N = a.experts, a.k, a.n
     tm = 8 if a.interpret else 128
-    w = [(jnp.asarray(repack_halves(rng.integers(0, 256, (E, N, K // 2), dtype=np.uint8),
-                                    tile_k(K))),
-          jnp.asarray(rng.integers(120, 134, (E, N, K // 32), dtype=np.uint8))) for _ in range(2)]
+    w = [tuple(jnp.asarray(v) for v in repack_experts(rng.integers(0, 256, (E, N, K // 2), dtype=np.uint8),
+                                                       rng.integers(120, 134, (E, N, K // 32), dtype=np.uint8)))
+         for _ in range(2)]  # the stored layout the loader makes
     act = lambda g, u: jax.nn.silu(g) * u  # noqa: E731
     print(f"{'kernel':<14} {'M':>6} {'ms':>9} {'MB':>9} {'GFLOP':>9} {'HBM %':>7} {'MXU %':>7}")
     for M in map(int, a.tokens.split(",")):
         M = -(-M // tm) * tm
         sizes = np.bincount(rng.integers(0, E, M), minlength=E).astype(np.int32)
         x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
-        blocks = default_blocks(K, N, tm)
+        blocks = default_blocks(K, N, tm, weights=2)  # fits the fused call too
         touched = int((sizes > 0).sum())
         for name, fused in (("gmm", {}), ("gmm gate+up", {"up": w[1], "act": act})):
             nw = 2 if fused else 1
@@ -83,7 +84,7 @@ def main() -> None:
                                                      interpret=interpret, **fused)
             sec = _time(fn, x, jnp.asarray(sizes), reps=2 if a.interpret else 10)
             visits = -(-M // tm) + touched - 1
-            weight_bytes = nw * touched * N * K * (0.5 + 1 / 32)  # each touched expert's tiles, at least once
+            weight_bytes = nw * touched * N * (K // 2 + w[0][1].shape[-1])  # each touched expert's tiles, at least once
             nbytes = weight_bytes + (N // blocks[2]) * M * K * 2 + M * N * 4
             flops = nw * 2 * M * N * K
             print(f"{name:<14} {M:>6} {sec * 1e3:>9.3f} {nbytes / 1e6:>9.1f} {flops / 1e9:>9.2f} "
