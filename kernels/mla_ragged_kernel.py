@@ -101,18 +101,23 @@ def vmem_estimate(blocks, H, W, Lat, Rr, ps, kv_itemsize, q_itemsize) -> int:
     return kv + q + live
 
 
+# (query block, keys per block) in order of preference: a prefill row's pages are read once per
+# query block (HBM bytes ~ 1 / q_block), while a short kv block only costs a loop trip and a DMA
+# wait; 32 x 96 heads does not fit with any key block worth having
+_PREFERENCE = ((32, 512), (32, 256), (16, 512), (16, 256), (32, 128), (16, 128), (8, 512), (8, 256), (8, 128),
+               (4, 128), (2, 128), (1, 128), (1, 64), (1, 32), (1, 16))
+
+
 def choose_blocks(T, R, P, H, W, Lat, Rr, ps, kv_itemsize, q_itemsize, budget=VMEM_BUDGET):
-    """The largest blocks whose :func:`vmem_estimate` fits ``budget``: decode rows per step 8
-    (one sublane tile of rows), keys per block up to 512 (fewer grid-free loop trips and DMA
-    waits; more only adds VMEM), query block 32 down to 1 (the live ``[q_block * H, S]`` f32
-    scores grow with both): the query block shrinks first, as the MXU is already full at
-    ``q_block * H >= 256`` while short kv blocks cost a DMA wait and a loop trip each."""
+    """The first ``(rows, q_block, kv_pages_per_block)`` in :data:`_PREFERENCE` whose
+    :func:`vmem_estimate` fits ``budget``: 8 decode rows per step (one sublane tile of rows;
+    the decode matmuls are ``[H, Lat] x [Lat, S]`` per row either way), then the largest query
+    block, then the most keys per block (at least one page)."""
     B = max(1, min(8, R))
-    for keys in (512, 256, 128, 64, 32, 16):
-        for QB in (32, 16, 8, 4, 2, 1):
-            bp = max(1, min(keys // ps if keys >= ps else 1, P))
-            if vmem_estimate((B, min(QB, T), bp), H, W, Lat, Rr, ps, kv_itemsize, q_itemsize) <= budget:
-                return B, max(1, min(QB, T)), bp
+    for QB, keys in _PREFERENCE:
+        blocks = (B, max(1, min(QB, T)), max(1, min(keys // ps, P)))
+        if vmem_estimate(blocks, H, W, Lat, Rr, ps, kv_itemsize, q_itemsize) <= budget:
+            return blocks
     return B, 1, 1
 
 
@@ -417,10 +422,11 @@ def _kernel(meta, kv_lens, cu, pos, dec_rows, dec_nblk, qb_row, qb_tok0, qb_len,
         dma_loop(QB, out_copies, "wait")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "latent_dim", "blocks", "vmem_limit_bytes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "latent_dim", "blocks", "vmem_limit_bytes", "table_chunk",
+                                             "interpret"))
 def mla_ragged_attention_kernel(q_lat, q_rope, new_rows, kv_pool, layer, page_table, tok_row, pos, kv_lens, cu_q_lens,
                                 q_lens, scale, latent_dim, *, page_ordinals=None, blocks=DEFAULT_BLOCKS,
-                                vmem_limit_bytes=VMEM_LIMIT, interpret=None):
+                                vmem_limit_bytes=VMEM_LIMIT, table_chunk=TABLE_CHUNK, interpret=None):
     """``(out_lat [T, H, Lat] f32, lse [T, H] f32, kv_pool)``: ``new_rows [T, W]`` (or None)
     written into ``kv_pool [L, pages, page_size, W]`` at ``layer``, then ragged paged MLA
     attention of ``q_lat [T, H, Lat]`` / ``q_rope [T, H, Rr]`` over the written pool — the
@@ -430,7 +436,9 @@ def mla_ragged_attention_kernel(q_lat, q_rope, new_rows, kv_pool, layer, page_ta
     ``page_table [R, P]``, ``tok_row``/``pos [T]``, ``kv_lens``/``q_lens [R]``, ``cu_q_lens
     [R + 1]`` as in ``kernels/mla_ragged.py``; ``page_ordinals`` None, ``[P]`` or ``[R, P]``.
     ``blocks = (decode rows per step, queries per block, kv pages per block)`` (clamped to R, T,
-    P), or None: :func:`choose_blocks` for ``vmem_limit_bytes``. ``interpret``: a
+    P), or None: :func:`choose_blocks` for ``vmem_limit_bytes``. ``table_chunk``: page-table
+    columns per SMEM fetch (rounded up to a multiple of the kv block's pages; on a TPU a multiple
+    of 128 when the table has more columns, so each fetch starts on a lane tile). ``interpret``: a
     ``pltpu.InterpretParams`` (CPU tests) or None (compile for TPU). The rows are written by an
     XLA scatter into the pool, which the kernel then only reads: donate the pool (or carry it
     through a scan) to update it in place."""
@@ -458,7 +466,7 @@ def mla_ragged_attention_kernel(q_lat, q_rope, new_rows, kv_pool, layer, page_ta
     QB = max(1, min(int(blocks[1]), T))
     bp = max(1, min(int(blocks[2]), P))
     Pb = -(-P // bp) * bp
-    CH = Pb if Pb <= TABLE_CHUNK else -(-TABLE_CHUNK // bp) * bp  # a block never straddles two chunks
+    CH = Pb if Pb <= table_chunk else -(-int(table_chunk) // bp) * bp  # a block never straddles two chunks
     NC = -(-Pb // CH)
     table = page_table.astype(i32)
     if page_ordinals is None:
