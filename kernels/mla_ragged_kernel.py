@@ -1,4 +1,4 @@
-"""Ragged paged MLA attention as a Pallas TPU kernel (issue #15, kernel 3).
+"""Ragged paged MLA attention as a Pallas TPU kernel (issue #15, kernel 3; TPU v7x: issue #33).
 
 Same semantics as ``write_kv_rows`` followed by ``mla_ragged_attention(..., layer=layer,
 return_lse=True)`` (``kernels/mla_ragged.py``, the oracle): this step's new ``[latent | rope]``
@@ -7,32 +7,45 @@ form, to the keys of its row at positions ``kpos <= pos[t]`` and ``kpos < kv_len
 ``kpos = ordinal * page_size + offset`` (``page_ordinals`` for decode context parallelism; a
 column whose page id is out of range is skipped). The softmax runs online in float32 over kv
 blocks of ``kv_pages_per_block`` pages; the output is ``out_lat [T, H, Lat]`` float32 and the
-exact log-sum-exp ``lse [T, H]`` that ``kernels/mla.py::merge_partials`` needs. Padding tokens
-(``tok_row >= R``) get zeros and ``-inf`` and write nothing; rows with ``q_len == 0`` are skipped.
+exact log-sum-exp ``lse [T, H]`` that ``kernels/mla.py::merge_partials`` needs (a DCP rank's
+partial). Padding tokens (``tok_row >= R``) get zeros and ``-inf`` and write nothing; rows with
+``q_len == 0`` are skipped.
 
 Layout. One flattened step of ``T`` tokens and ``R`` rows (see ``kernels/mla_ragged.py``). The
 pool ``kv_pool [L, pages, page_size, W]`` is passed whole with a ``layer`` index (never a
-per-layer slice), stays in HBM (``memory_space=ANY``) and is aliased in and out; ``W`` may pad
-the row beyond ``Lat + Rr`` (only the first ``Lat + Rr`` lanes are read; ``new_rows`` is ``[T,
-W]``, written whole). The reference itself needs ``W == Lat + Rr``.
+per-layer slice) and stays in HBM (``memory_space=ANY``); ``W`` may pad the row beyond ``Lat +
+Rr`` (only the first ``Lat + Rr`` lanes are read; ``new_rows`` is ``[T, W]``, written whole).
+
+* **Write first, with XLA.** The step's rows go in by ``write_kv_rows`` (an XLA scatter) before
+  the kernel, which then only reads the pool. Why: a row is one sublane of a packed bf16
+  ``(16, 128)`` tile, and Mosaic rejects a DMA to an arbitrary sublane of it ("Offsets along
+  tiled dimensions must be aligned to tiles"); XLA's scatter writes single rows in place. The
+  data dependency orders it before every read (this step's own rows included). The pool is not
+  aliased through the kernel; the scatter updates it in place when the caller donates it (jit
+  with the pool donated, or a scan carry), so no whole-pool copy — **provided the pool's HBM
+  layout is row-major**: a TPU's default layout for a bf16 pool whose ``W`` is not a multiple of
+  128 (K3: 576) puts a 128-multiple axis (pages) minor to save the lane padding, and XLA then
+  copies the whole pool into row-major and back around the kernel (measured on tpu7x, 6.75 GiB
+  each way at K3 decode scale). Pad ``W`` to 640, or pin the pool's layout
+  (``Format(Layout(major_to_minor=(0, 1, 2, 3)))`` on the cache arrays and the step's in/out
+  shardings): both cost the same HBM, since row-major tiles pad 576 to 640 lanes anyway.
+* **Page table per tile.** Only the small per-step metadata (``kv_lens``, ``cu_q_lens``,
+  ``pos``, the work lists) is scalar-prefetched. The page table and its ordinals stay in HBM
+  (padded to whole chunks with -1) and reach SMEM ``table_chunk`` columns (256: a multiple of
+  128 lanes, so each fetch starts on a tile) at a time, per tile row, into two slots: a kv block
+  that starts a new chunk fetches it (synchronously, once per ``chunk / bp`` blocks) into the
+  slot the block in use does not hold. Why: the whole ``[R, P]`` table (and ordinals) at 128K
+  context and 16-token pages is 2 + 2 MiB, far past SMEM; a tile needs ``2 * rows * chunk * 8``
+  bytes (32 KiB).
+* **Masks as f32 / int32.** Mosaic cannot reshape bool vectors (``kvalid[..., None]``) nor carry
+  them through loops, so masks are built as int32 / f32 and compared where used.
 
 Grid (static, one "arbitrary" axis, so steps run in order on one core):
 ``ceil(R / rows)`` decode tiles, then ``(T + min(R, T//2) * (q_block - 1)) // q_block`` query
 blocks (a bound on ``sum_r ceil(q_len_r / q_block)`` over rows with ``q_len >= 2``). Work lists
-are built in-graph by the wrapper and scalar-prefetched into SMEM together with the page table,
-ordinals, ``kv_lens``, ``cu_q_lens``, ``tok_row``, ``pos`` and the layer; steps past the real
-tiles/blocks do nothing (``pl.when`` on the prefetched counts).
+are built in-graph by the wrapper and scalar-prefetched; steps past the real tiles/blocks do
+nothing (``pl.when`` on the prefetched counts).
 
-* **Write first.** Grid step 0 starts one HBM->HBM DMA per token that has a page (``new_rows[t]``
-  -> ``pool[layer, page_table[row, pos // ps], pos % ps]``; padding tokens, columns past the
-  table and out-of-range page ids write nothing; two tokens aimed at one slot are undefined, as
-  in the reference's scatter), then waits on all of them before anything is read, so every later
-  read (this step's own rows, and other rows' if tables overlap) sees the written pool, as in the
-  reference's write-then-attend order. Reads and writes both go through the *output* pool ref:
-  with ``input_output_aliases`` it is the input's buffer (in interpret mode too: a read through
-  the input ref sees the writes), so the kernel itself copies nothing; XLA copies the pool only
-  if the caller's buffer is not donated (jit with the pool donated, or a scan carry, to update
-  it in place).
 * **Decode tiles** (``q_len == 1``): ``rows`` decode rows per grid step. Their queries are DMA'd
   by token; each kv block DMAs, per row, only the pages that row needs (present, first key
   ``< kv_len`` and ``<= pos``) into a double-buffered VMEM tile ``[2, rows, bp * ps, W]``, and
@@ -46,21 +59,25 @@ tiles/blocks do nothing (``pl.when`` on the prefetched counts).
 * Outputs are DMA'd per token into the HBM outputs, which are aliased to a zeros / ``-inf``
   initialisation (that fill is what padding tokens keep).
 
+VMEM. ``vmem_limit_bytes`` is set explicitly (default 56 MiB of a v7x TensorCore's 64; without
+it Mosaic allows 32). ``blocks=None`` (the default) picks them by :func:`choose_blocks`: 8
+decode rows, then the largest query block and keys per block whose :func:`vmem_estimate` fits
+``44 / 56`` of the limit (the estimate overshoots Mosaic's count by ~10-30%). Measured on
+tpu7x (libtpu 0.0.42.1, compile only): 96 heads -> (8, 16, 512 keys), 32 MiB scoped; 24 heads
+(tp = 4) -> (8, 32, 512 keys), 28.5 MiB. Query block 32 at 96 heads does not fit 60 MiB: the live
+``[q_block * H, S]`` f32 scores and ``[q_block * H, Lat]`` accumulators scale with both.
+
 Cost per call (``H`` heads, ``D = Lat + Rr``, ``K_r`` the keys row r's queries can reach, rounded
 up to pages, itemsize ``b`` of the pool): HBM bytes ≈ ``sum_decode K_r * W * b`` + ``sum_blocks
-K_block * W * b`` (a prefill row's pages are read once per query block) + new rows ``2 * T * W *
-b`` (read + write) + queries ``T * H * D * q_itemsize`` + outputs and their init fill ``2 * T * H
-* (Lat + 1) * 4``. FLOPs ≈ ``2 * H * (D + Lat) * (sum_decode K_r + q_block * sum_blocks
-K_block)`` (scores and the latent output; masked keys inside a fetched page are multiplied too),
-plus the softmax's ``O(H * keys)`` exp.
+K_block * W * b`` (a prefill row's pages are read once per query block) + new rows ``T * W * b``
+(the scatter) + queries ``T * H * D * q_itemsize`` + outputs and their init fill ``2 * T * H *
+(Lat + 1) * 4`` + the table chunks. FLOPs ≈ ``2 * H * (D + Lat) * (sum_decode K_r + q_block *
+sum_blocks K_block)`` (scores and the latent output; masked keys inside a fetched page are
+multiplied too), plus the softmax's ``O(H * keys)`` exp.
 
 DMA copies are issued from loops (one copy site per kind: the interpreter's program, and its
-compile time, grow with every site). Tiles: ``blocks = (rows, q_block, kv_pages_per_block)``,
-clamped to R, T and P. VMEM ≈ ``2 * rows * bp * ps * W * b`` (kv) + ``max(rows, q_block) * H *
-(D + Lat + 1) * 4`` (queries, outputs) + live scores ``max(rows, q_block) * H * bp * ps * 4``
-and accumulator ``... * H * Lat * 4``. Only interpret mode has run it: Mosaic's lowering
-(layouts of the small DMAs, the ``[q_block, H, Lat] -> [q_block * H, Lat]`` value reshape,
-``vmem_limit_bytes``) and the block sizes are still to be checked and tuned on a TPU.
+compile time, grow with every site). Nothing here has run on a TPU: DMA ordering and speed are
+checked in interpret mode (race detector) and the compile by ``tests/test_tpu_aot_mla.py``.
 """
 from __future__ import annotations
 
