@@ -38,7 +38,9 @@ def mla_write_attend(q_lat, q_rope, rows, kv_pool, layer, page_table, tok_row, p
     (arguments as :func:`kernels.mla_ragged.mla_ragged_attention`; ``tok_row`` outside ``[0,
     R)`` is padding). Returns ``(out_lat [T, H, latent_dim] float32, kv_pool)``. ``backend``
     "reference": :func:`write_kv_rows` then :func:`mla_ragged_attention`; "pallas" /
-    "pallas-interpret": both in one kernel, the pool aliased in and out."""
+    "pallas-interpret": the rows by XLA's in-place scatter, then the kernel reads the pool (no
+    whole-pool copy when the pool is donated and its layout row-major: see
+    ``kernels/mla_ragged_kernel.py``)."""
     if backend == "reference":
         kv_pool = write_kv_rows(kv_pool, rows, page_table, tok_row, pos, layer=layer)
         out = mla_ragged_attention(q_lat, q_rope, kv_pool, page_table, tok_row, pos, kv_lens, cu_q_lens, q_lens,

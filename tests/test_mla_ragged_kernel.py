@@ -120,12 +120,12 @@ def reference(st, layer, ords=None, write=True):
         st["kv_lens"], st["cu"], st["q_lens"], jnp.int32(layer), ords, write=write)]
 
 
-def kernel(st, layer, blocks, ords=None, write=True, interpret=INTERPRET):
+def kernel(st, layer, blocks, ords=None, write=True, interpret=INTERPRET, **kw):
     out, lse, pool = mla_ragged_attention_kernel(
         jnp.asarray(st["q_lat"]), jnp.asarray(st["q_rope"]), jnp.asarray(st["rows"]) if write else None,
         jnp.asarray(st["pool"]), jnp.int32(layer), jnp.asarray(st["table"]), jnp.asarray(st["tok_row"]),
         jnp.asarray(st["pos"]), jnp.asarray(st["kv_lens"]), jnp.asarray(st["cu"]), jnp.asarray(st["q_lens"]),
-        SCALE, LAT, page_ordinals=ords, blocks=blocks, interpret=interpret)
+        SCALE, LAT, page_ordinals=ords, blocks=blocks, interpret=interpret, **kw)
     return np.asarray(pool), np.asarray(out), np.asarray(lse)
 
 
@@ -252,6 +252,15 @@ def test_dcp_ranks_merge_to_the_whole_attention():
     np.testing.assert_allclose(merged[real], rout[real], rtol=TOL, atol=TOL)
     np.testing.assert_allclose(np.logaddexp(*lses)[real], rlse[real], rtol=TOL, atol=TOL)
     assert all(np.isneginf(x[~real]).all() for x in lses)
+
+
+def test_page_table_fetched_in_chunks():
+    """The page table reaches SMEM a chunk of columns at a time (2 of the 4 here, one page per kv
+    block: a chunk is fetched every other block, into the slot the block in use does not hold),
+    with DCP ordinals and absent columns: same as the reference."""
+    st = _set_rows(make_step(17), [1, 5, 9, 0, 1, 2], [12, 3, 6, 0, 15, 9])
+    ords = jnp.asarray(np.arange(4, dtype=np.int32)[None] + np.zeros((6, 1), np.int32))
+    check(st, kernel(st, 1, (2, 4, 1), ords=ords, table_chunk=2), reference(st, 1, ords=ords), 1)
 
 
 def test_eager_dma_execution_finds_no_race():
