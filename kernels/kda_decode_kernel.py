@@ -92,8 +92,8 @@ F32 = jnp.float32
 I32 = jnp.int32
 L2_EPS = 1e-6  # as model/kda.py::l2_normalize
 
-# semaphore columns per row: reads (q, k, v parts, f, gate_out, beta, conv q/k/v, state)
-_IN_QKV, _IN_F, _IN_GO, _IN_B, _IN_CONV, _IN_STATE, _N_IN = 0, 3, 4, 5, 6, 9, 10
+# semaphore columns per row: reads (conv q/k/v, state)
+_IN_CONV, _IN_STATE, _N_IN = 0, 3, 4
 # writes (conv q/k/v to write slot, to snapshot slot, state to write slot, to snapshot slot)
 _OUT_CONV, _OUT_CONV_SNAP, _OUT_STATE, _OUT_STATE_SNAP, _N_OUT = 0, 3, 6, 7, 8
 
@@ -119,11 +119,11 @@ def _log_decay(f, a, dt_bias, lower_bound):
     return lower_bound * jax.nn.sigmoid(a * x)
 
 
-def _kernel(tok_ref, rd_ref, wr_ref, sn_ref, fr_ref, n_ref, layer_ref,
-            cw_ref, a_ref, dtb_ref, on_ref,
-            qkv_hbm, f_hbm, beta_hbm, go_hbm, state_hbm, conv_hbm,
+def _kernel(rd_ref, wr_ref, sn_ref, fr_ref, n_ref, layer_ref,
+            cw_ref, a_ref, dtb_ref, on_ref, x_ref, f_ref, b_ref, go_ref,
+            state_hbm, conv_hbm,
             o_ref, state_out, conv_out,
-            x_buf, f_buf, go_buf, b_buf, win_buf, cnew_buf, s_buf, cols_buf, rows_buf, o_buf, sem_in, sem_out,
+            win_buf, cnew_buf, s_buf, cols_buf, rows_buf, o_buf, sem_in, sem_out,
             *, rt, hb, d, P, Wm1, num_slots, lower_bound, eps):
     i, h = pl.program_id(0), pl.program_id(1)
     C = hb * d
@@ -138,20 +138,11 @@ def _kernel(tok_ref, rd_ref, wr_ref, sn_ref, fr_ref, n_ref, layer_ref,
         w, s = wr_ref[r], sn_ref[r]
         return dict(r=r, live=live, load=live & jnp.logical_not(fresh), fresh=live & fresh,
                     write=live & (w >= 0) & (w < num_slots), snap=live & (s >= 0) & (s < num_slots),
-                    tok=tok_ref[r], rd=rd_ref[r], wr=w, sn=s)
+                    rd=rd_ref[r], wr=w, sn=s)
 
     rows = [row(j) for j in range(rt)]
 
     # ---- reads: descriptors (rebuilt identically for the waits)
-    def token_copies(j, m):
-        t = pl.ds(m["tok"], 1)
-        cps = [pltpu.make_async_copy(qkv_hbm.at[t, pl.ds(p * P + col0, C)], x_buf.at[p, pl.ds(j, 1)],
-                                     sem_in.at[j, _IN_QKV + p]) for p in range(3)]
-        cps.append(pltpu.make_async_copy(f_hbm.at[t, pl.ds(col0, C)], f_buf.at[pl.ds(j, 1)], sem_in.at[j, _IN_F]))
-        cps.append(pltpu.make_async_copy(go_hbm.at[t, pl.ds(col0, C)], go_buf.at[pl.ds(j, 1)], sem_in.at[j, _IN_GO]))
-        cps.append(pltpu.make_async_copy(beta_hbm.at[h, t], b_buf.at[pl.ds(j, 1)], sem_in.at[j, _IN_B]))
-        return cps
-
     def conv_in_copies(j, slot):
         return [pltpu.make_async_copy(conv_hbm.at[layer, slot, :, pl.ds(p * P + col0, C)], win_buf.at[j, p],
                                       sem_in.at[j, _IN_CONV + p]) for p in range(3)]
@@ -173,11 +164,6 @@ def _kernel(tok_ref, rd_ref, wr_ref, sn_ref, fr_ref, n_ref, layer_ref,
     def _():
         # small reads first (needed first), then the states
         for j, m in enumerate(rows):
-            @pl.when(m["live"])
-            def _():
-                for cp in token_copies(j, m):
-                    cp.start()
-
             @pl.when(m["load"])
             def _():
                 for cp in conv_in_copies(j, m["rd"]):
@@ -193,11 +179,6 @@ def _kernel(tok_ref, rd_ref, wr_ref, sn_ref, fr_ref, n_ref, layer_ref,
                 state_in(j, m).start()
 
         for j, m in enumerate(rows):
-            @pl.when(m["live"])
-            def _():
-                for cp in token_copies(j, m):
-                    cp.wait()
-
             @pl.when(m["load"])
             def _():
                 for cp in conv_in_copies(j, m["rd"]):
@@ -208,7 +189,7 @@ def _kernel(tok_ref, rd_ref, wr_ref, sn_ref, fr_ref, n_ref, layer_ref,
         cw = cw_ref[...].astype(F32)  # [3, W, C]
         ys = []
         for p in range(3):
-            x = x_buf[p].astype(F32)  # [rt, C]
+            x = x_ref[p]  # [rt, C]
             win = win_buf[:, p].astype(F32)  # [rt, W-1, C]
             y = x * cw[p, Wm1:Wm1 + 1]
             for t in range(Wm1):
@@ -234,9 +215,9 @@ def _kernel(tok_ref, rd_ref, wr_ref, sn_ref, fr_ref, n_ref, layer_ref,
         q = _l2_normalize(ys[0].reshape(rt, hb, d)) * (d ** -0.5)
         k = _l2_normalize(ys[1].reshape(rt, hb, d))
         v = ys[2].reshape(rt, hb, d)
-        g = _log_decay(f_buf[...].astype(F32), a_ref[...], dtb_ref[...], lower_bound)  # [rt, C]
+        g = _log_decay(f_ref[...], a_ref[...], dtb_ref[...], lower_bound)  # [rt, C]
         eg = jnp.exp(g)
-        bv = jnp.broadcast_to(b_buf[...].astype(F32)[:, :, None], (rt, hb, d))
+        bv = b_ref[...].reshape(rt, hb, d)
         # q, k, e^g as columns (the state's k axis is its second-minor one): one transpose per tile
         for c, val in enumerate((q.reshape(rt, C), k.reshape(rt, C), eg)):
             cols_buf[c] = val.T.reshape(hb, d, rt)
@@ -279,7 +260,7 @@ def _kernel(tok_ref, rd_ref, wr_ref, sn_ref, fr_ref, n_ref, layer_ref,
 
         # ---- gated output norm on the tile
         o = o_buf[...]  # [rt, hb, d]
-        gate = jax.nn.sigmoid(go_buf[...].astype(F32)).reshape(rt, hb, d)
+        gate = jax.nn.sigmoid(go_ref[...]).reshape(rt, hb, d)
         o = _rms_normalize(o, eps) * on_ref[...] * gate
         live = (i * rt + jax.lax.broadcasted_iota(I32, (rt, 1, 1), 0)) < n_dec
         o_ref[...] = jnp.where(live, o, 0.0)
@@ -303,6 +284,38 @@ def _kernel(tok_ref, rd_ref, wr_ref, sn_ref, fr_ref, n_ref, layer_ref,
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
+VMEM_LIMIT = 48 * 2**20  # the kernel's scoped VMEM limit (a v7x TensorCore has 64 MiB)
+
+
+def _pad(n, m):
+    return -(-n // m) * m
+
+
+def decode_vmem_bytes(rt: int, hb: int, d: int, W: int) -> int:
+    """VMEM one grid step of :func:`kda_decode` holds with blocks ``(rt, hb)`` (f32, tiles of
+    (8, 128) with padding): the states, the conv windows read and written, the token blocks
+    (double-buffered by the pipeline), the column / row / o buffers and the parameter blocks."""
+    C = hb * d
+    state = 4 * rt * hb * _pad(d, 8) * _pad(d, 128)
+    windows = 2 * 4 * rt * 3 * _pad(W - 1, 8) * C
+    tokens = 2 * 4 * 6 * _pad(rt, 8) * C
+    cols = 4 * 3 * hb * d * _pad(rt, 128)
+    rows = 4 * 4 * rt * _pad(hb, 8) * _pad(d, 128)  # v, beta, o before the norm, o out (x2)
+    params = 2 * 4 * (3 * _pad(W, 8) * C + 2 * 8 * C + 8 * 128)
+    return state + windows + tokens + cols + rows + params
+
+
+def decode_blocks(R: int, H: int, d: int, W: int, budget: int) -> tuple[int, int]:
+    """``(rows_per_tile, heads_per_block)`` for :func:`kda_decode`: 8 rows per tile (one f32
+    sublane tile of the token blocks; all rows when fewer) and the largest head block that
+    Mosaic accepts (a multiple of 8 dividing H, or H) whose :func:`decode_vmem_bytes` fits
+    ``budget``; the smallest such block when none fits."""
+    rt = max(1, min(8, R))
+    ok = [n for n in range(1, H + 1) if H % n == 0 and (n % 8 == 0 or n == H)]
+    fit = [n for n in ok if decode_vmem_bytes(rt, n, d, W) <= budget]
+    return rt, max(fit) if fit else min(ok)
+
+
 def _check(qkv_raw, f, beta, gate_out, state_pool, conv_pool, tok, conv_w, A_log, dt_bias, o_norm):
     T, P3 = qkv_raw.shape
     L, S, H, d, dv = state_pool.shape
@@ -321,7 +334,7 @@ def _check(qkv_raw, f, beta, gate_out, state_pool, conv_pool, tok, conv_w, A_log
 @functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "blocks", "interpret"))
 def kda_decode(qkv_raw, f, beta, gate_out, state_pool, conv_pool, layer, tok, read_slot, write_slot, snap_slot,
                fresh, n_dec, conv_w, A_log, dt_bias, o_norm, *, lower_bound: float | None = -5.0, eps: float = 1e-5,
-               blocks: tuple[int, int] = (8, 8), interpret=None):
+               blocks: tuple[int, int] | None = None, interpret=None, vmem_limit_bytes: int = VMEM_LIMIT):
     """One decode token for each of R rows of one KDA layer (module docstring: layout, math,
     grid, aliasing assumption, cost). Returns ``(o [R, H, d] float32 after the gated norm,
     state_pool, conv_pool)`` with the pools updated in place (aliased; donate them at the
@@ -329,15 +342,17 @@ def kda_decode(qkv_raw, f, beta, gate_out, state_pool, conv_pool, layer, tok, re
 
     ``blocks = (rows_per_tile, heads_per_block)``; heads_per_block must divide H, R needs no
     relation to rows_per_tile. On a TPU, tiles want ``heads_per_block * d`` a multiple of 128
-    and ``heads_per_block`` a multiple of 8 (or H). ``lower_bound``: K3's gate bound (static);
+    and ``heads_per_block`` a multiple of 8 (or H). None: :func:`decode_blocks` (the largest
+    head block whose VMEM estimate fits half of ``vmem_limit_bytes``, the kernel's scoped VMEM
+    limit). ``lower_bound``: K3's gate bound (static);
     None selects Kimi Linear's softplus gate. ``eps``: the output RMSNorm's. ``interpret``:
     None (compile for TPU), True or a ``pltpu.InterpretParams`` (CPU tests)."""
     T, L, S, H, d, P, W = _check(qkv_raw, f, beta, gate_out, state_pool, conv_pool, tok, conv_w, A_log, dt_bias,
                                  o_norm)
-    rt, hb = blocks
+    R = tok.shape[0]
+    rt, hb = blocks if blocks is not None else decode_blocks(R, H, d, W, vmem_limit_bytes // 2)
     if rt < 1 or hb < 1 or H % hb:
         raise ValueError(f"blocks {blocks}: heads_per_block must divide H={H}")
-    R = tok.shape[0]
     nt = -(-R // rt)
     Rp = nt * rt
     C = hb * d
@@ -345,7 +360,7 @@ def kda_decode(qkv_raw, f, beta, gate_out, state_pool, conv_pool, layer, tok, re
     def meta(a, fill):
         return jnp.pad(jnp.asarray(a).astype(I32), (0, Rp - R), constant_values=fill)
 
-    scalars = (meta(jnp.clip(tok, 0, T - 1), 0), meta(jnp.clip(read_slot, 0, S - 1), 0), meta(write_slot, -1),
+    scalars = (meta(jnp.clip(read_slot, 0, S - 1), 0), meta(write_slot, -1),
                meta(snap_slot, -1), meta(fresh, 1), jnp.clip(jnp.asarray(n_dec, I32), 0, R).reshape(1),
                jnp.asarray(layer, I32).reshape(1))
     # per-layer parameters, laid out channel-last (tiny)
@@ -353,23 +368,23 @@ def kda_decode(qkv_raw, f, beta, gate_out, state_pool, conv_pool, layer, tok, re
     a = jnp.repeat(jnp.exp(A_log.astype(F32)), d).reshape(1, P)
     dtb = dt_bias.astype(F32).reshape(1, P)
     on = o_norm.astype(F32).reshape(1, d)
-    # beta by head block [H/hb, T, hb], so a row's DMA spans whole minor rows (tiny)
-    beta_b = beta.reshape(T, H // hb, hb).transpose(1, 0, 2)
+    # the rows' tokens gathered in row order and widened to f32 (module docstring: why)
+    t = meta(jnp.clip(tok, 0, T - 1), 0)
+    x = qkv_raw[t].astype(F32).reshape(Rp, 3, P).transpose(1, 0, 2)  # [3, Rp, P]
+    b = jnp.repeat(beta[t].astype(F32), d, axis=1)  # [Rp, P]: beta per channel
+    tok_spec = pl.BlockSpec((rt, C), lambda i, h, *_: (i, h))
 
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    any_spec = pl.BlockSpec(memory_space=pltpu.HBM)
     spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars), grid=(nt, H // hb),
         in_specs=[pl.BlockSpec((3, W, C), lambda i, h, *_: (0, 0, h)),
                   pl.BlockSpec((1, C), lambda i, h, *_: (0, h)),
                   pl.BlockSpec((1, C), lambda i, h, *_: (0, h)),
                   pl.BlockSpec((1, d), lambda i, h, *_: (0, 0)),
-                  *[any_spec] * 6],
+                  pl.BlockSpec((3, rt, C), lambda i, h, *_: (0, i, h)), tok_spec, tok_spec, tok_spec,
+                  any_spec, any_spec],
         out_specs=[pl.BlockSpec((rt, hb, d), lambda i, h, *_: (i, h, 0)), any_spec, any_spec],
-        scratch_shapes=[pltpu.VMEM((3, rt, C), qkv_raw.dtype),
-                        pltpu.VMEM((rt, C), f.dtype),
-                        pltpu.VMEM((rt, C), gate_out.dtype),
-                        pltpu.VMEM((rt, hb), beta.dtype),
-                        pltpu.VMEM((rt, 3, W - 1, C), conv_pool.dtype),  # windows read
+        scratch_shapes=[pltpu.VMEM((rt, 3, W - 1, C), conv_pool.dtype),  # windows read
                         pltpu.VMEM((rt, 3, W - 1, C), conv_pool.dtype),  # windows written
                         pltpu.VMEM((rt, hb, d, d), state_pool.dtype),  # states, updated in place
                         pltpu.VMEM((3, hb, d, rt), F32),  # q, k, e^g as columns
@@ -377,16 +392,17 @@ def kda_decode(qkv_raw, f, beta, gate_out, state_pool, conv_pool, layer, tok, re
                         pltpu.VMEM((rt, hb, d), F32),  # o before the norm
                         pltpu.SemaphoreType.DMA((rt, _N_IN)),
                         pltpu.SemaphoreType.DMA((rt, _N_OUT))])
-    n_pre = len(scalars) + 4  # operands before the HBM ones
+    n_pre = len(scalars) + 8  # operands before the pools
     o, state_pool, conv_pool = pl.pallas_call(
         functools.partial(_kernel, rt=rt, hb=hb, d=d, P=P, Wm1=W - 1, num_slots=S, lower_bound=lower_bound, eps=eps),
         grid_spec=spec,
         out_shape=[jax.ShapeDtypeStruct((Rp, H, d), F32), jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype),
                    jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)],
-        input_output_aliases={n_pre + 4: 1, n_pre + 5: 2},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        input_output_aliases={n_pre: 1, n_pre + 1: 2},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
+                                             vmem_limit_bytes=vmem_limit_bytes),
         interpret=interpret,
-    )(*scalars, cw, a, dtb, on, qkv_raw, f, beta_b, gate_out, state_pool, conv_pool)
+    )(*scalars, cw, a, dtb, on, x, f[t].astype(F32), b, gate_out[t].astype(F32), state_pool, conv_pool)
     return o[:R], state_pool, conv_pool
 
 
