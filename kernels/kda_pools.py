@@ -47,7 +47,6 @@ def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_nor
     cu = cu_q_lens.astype(I32)
     one, pre = ql == 1, ql >= 2
     tok_row = tok_row.astype(I32)
-    hb = max(n for n in range(1, min(8, H) + 1) if H % n == 0)  # heads per grid step
 
     # ---- one-token rows: the decode kernel (a row's token is its first)
     e_ok = (snap_row < R) & (snap_len == 1)
@@ -57,7 +56,7 @@ def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_nor
     o_dec, state_pool, conv_pool = kda_decode(
         qkv_raw, f, beta, gate_out, state_pool, conv_pool, layer, jnp.minimum(cu[:R], T - 1), read_slot,
         jnp.where(one, write_slot, -1), row_snap, fresh, jnp.where(jnp.any(one), R, 0), conv_w, A_log, dt_bias,
-        o_norm, lower_bound=lower_bound, eps=eps, blocks=(min(8, R), hb), interpret=interpret)
+        o_norm, lower_bound=lower_bound, eps=eps, interpret=interpret)
 
     # ---- rows of two tokens or more: conv in XLA, the delta rule in the prefill kernel
     qlp = jnp.where(pre, ql, 0)
@@ -71,8 +70,7 @@ def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_nor
     a = jnp.exp(A_log.astype(F32))[:, None]
     g = _log_decay(f.astype(F32).reshape(T, H, d), a, dt_bias.astype(F32).reshape(H, d), lower_bound)
     o_pre, state_pool = kda_prefill(q, k, v, g, beta.astype(F32), state_pool, layer, tok_pre, cu, qlp, start_pos,
-                                    read_slot, write_slot, fresh, snap_row, snap_len, snap_slot, blocks=(hb,),
-                                    interpret=interpret)
+                                    read_slot, write_slot, fresh, snap_row, snap_len, snap_slot, interpret=interpret)
     s_row = jnp.minimum(snap_row, R - 1)
     s_ok = (snap_row < R) & pre[s_row] & (snap_len >= 1) & (snap_len <= qlp[s_row])
     conv_pool = conv_pool.at[layer, jnp.where(pre, write_slot, S)].set(new_conv.astype(conv_pool.dtype), mode="drop")
