@@ -124,7 +124,7 @@ def _kernel(rd_ref, wr_ref, sn_ref, fr_ref, n_ref, layer_ref,
             state_hbm, conv_hbm,
             o_ref, state_out, conv_out,
             win_buf, cnew_buf, s_buf, cols_buf, rows_buf, o_buf, sem_in, sem_out,
-            *, rt, hb, d, P, Wm1, num_slots, lower_bound, eps):
+            *, rt, hb, d, P, Wm1, num_slots, lower_bound, eps, conv_rows):
     i, h = pl.program_id(0), pl.program_id(1)
     C = hb * d
     col0 = h * C  # first channel of this head block within a q/k/v part
@@ -143,13 +143,27 @@ def _kernel(rd_ref, wr_ref, sn_ref, fr_ref, n_ref, layer_ref,
     rows = [row(j) for j in range(rt)]
 
     # ---- reads: descriptors (rebuilt identically for the waits)
+    H = P // d
+
+    def conv_at(ref, slot, p, t):
+        """Part p of a window in the pool, this head block: all W-1 rows (``t`` None, pool
+        ``[L, S, W-1, 3P]``) or window row t (pool ``[L, S, (W-1)*3H, d]``: hb whole rows)."""
+        if t is None:
+            return ref.at[layer, slot, :, pl.ds(p * P + col0, C)]
+        return ref.at[layer, slot, pl.ds((t * 3 + p) * H + h * hb, hb)]
+
+    ts = list(range(Wm1)) if conv_rows else [None]
+
+    def buf_at(buf, j, p, t):
+        return buf.at[j, p] if t is None else buf.at[j, p, t]
+
     def conv_in_copies(j, slot):
-        return [pltpu.make_async_copy(conv_hbm.at[layer, slot, :, pl.ds(p * P + col0, C)], win_buf.at[j, p],
-                                      sem_in.at[j, _IN_CONV + p]) for p in range(3)]
+        return [pltpu.make_async_copy(conv_at(conv_hbm, slot, p, t), buf_at(win_buf, j, p, t),
+                                      sem_in.at[j, _IN_CONV + p]) for p in range(3) for t in ts]
 
     def conv_out_copies(j, slot, k0):
-        return [pltpu.make_async_copy(cnew_buf.at[j, p], conv_out.at[layer, slot, :, pl.ds(p * P + col0, C)],
-                                      sem_out.at[j, k0 + p]) for p in range(3)]
+        return [pltpu.make_async_copy(buf_at(cnew_buf, j, p, t), conv_at(conv_out, slot, p, t),
+                                      sem_out.at[j, k0 + p]) for p in range(3) for t in ts]
 
     def state_in(j, m):
         return pltpu.make_async_copy(state_hbm.at[layer, m["rd"], pl.ds(h * hb, hb)], s_buf.at[j],
@@ -190,15 +204,14 @@ def _kernel(rd_ref, wr_ref, sn_ref, fr_ref, n_ref, layer_ref,
         ys = []
         for p in range(3):
             x = x_ref[p]  # [rt, C]
-            win = win_buf[:, p].astype(F32)  # [rt, W-1, C]
             y = x * cw[p, Wm1:Wm1 + 1]
             for t in range(Wm1):
-                y = y + win[:, t] * cw[p, t:t + 1]
+                y = y + win_buf[:, p, t].astype(F32).reshape(rt, C) * cw[p, t:t + 1]
             ys.append(y * jax.nn.sigmoid(y))  # SiLU
             # new window: drop the oldest, append this token
             if Wm1 > 1:
                 cnew_buf[:, p, pl.ds(0, Wm1 - 1)] = win_buf[:, p, pl.ds(1, Wm1 - 1)]
-            cnew_buf[:, p, Wm1 - 1] = x.astype(cnew_buf.dtype)
+            cnew_buf[:, p, Wm1 - 1] = x.reshape(cnew_buf.shape[:1] + cnew_buf.shape[3:]).astype(cnew_buf.dtype)
 
         # the new windows can leave now
         for j, m in enumerate(rows):
@@ -323,13 +336,22 @@ def decode_blocks(R: int, H: int, d: int, W: int, budget: int) -> tuple[int, int
     return rt, max(fit) if fit else min(ok)
 
 
+def conv_is_rows(shape, H: int, d: int, W: int) -> bool:
+    """Whether a conv pool of ``shape`` is in the row layout ``[L, S, (W-1)*3H, d]`` rather
+    than ``[L, S, W-1, 3P]`` (the same elements in the same order, P = H*d; module docstring:
+    why the row layout)."""
+    return len(shape) == 4 and tuple(shape[2:]) == ((W - 1) * 3 * H, d)
+
+
 def _check(qkv_raw, f, beta, gate_out, state_pool, conv_pool, tok, conv_w, A_log, dt_bias, o_norm):
     T, P3 = qkv_raw.shape
     L, S, H, d, dv = state_pool.shape
     P = H * d
     W = conv_w.shape[1]
     want = {"qkv_raw": (qkv_raw.shape, (T, 3 * P)), "f": (f.shape, (T, P)), "beta": (beta.shape, (T, H)),
-            "gate_out": (gate_out.shape, (T, P)), "conv_pool": (conv_pool.shape, (L, S, W - 1, 3 * P)),
+            "gate_out": (gate_out.shape, (T, P)),
+            "conv_pool": (conv_pool.shape, (L, S, (W - 1) * 3 * H, d) if conv_is_rows(conv_pool.shape, H, d, W)
+                          else (L, S, W - 1, 3 * P)),
             "conv_w": (conv_w.shape, (3 * P, W)), "A_log": (A_log.shape, (H,)), "dt_bias": (dt_bias.shape, (P,)),
             "o_norm": (o_norm.shape, (d,)), "state_pool": ((dv,), (d,))}
     bad = [f"{k} {got} (want {exp})" for k, (got, exp) in want.items() if tuple(got) != tuple(exp)]
@@ -381,6 +403,8 @@ def kda_decode(qkv_raw, f, beta, gate_out, state_pool, conv_pool, layer, tok, re
     b = jnp.repeat(beta[t].astype(F32), d, axis=1)  # [Rp, P]: beta per channel
     tok_spec = pl.BlockSpec((rt, C), lambda i, h, *_: (i, h))
 
+    rows_layout = conv_is_rows(conv_pool.shape, H, d, W)
+    win_shape = (rt, 3, W - 1, hb, d) if rows_layout else (rt, 3, W - 1, C)
     any_spec = pl.BlockSpec(memory_space=pltpu.HBM)
     spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars), grid=(nt, H // hb),
@@ -391,8 +415,8 @@ def kda_decode(qkv_raw, f, beta, gate_out, state_pool, conv_pool, layer, tok, re
                   pl.BlockSpec((3, rt, C), lambda i, h, *_: (0, i, h)), tok_spec, tok_spec, tok_spec,
                   any_spec, any_spec],
         out_specs=[pl.BlockSpec((rt, hb, d), lambda i, h, *_: (i, h, 0)), any_spec, any_spec],
-        scratch_shapes=[pltpu.VMEM((rt, 3, W - 1, C), conv_pool.dtype),  # windows read
-                        pltpu.VMEM((rt, 3, W - 1, C), conv_pool.dtype),  # windows written
+        scratch_shapes=[pltpu.VMEM(win_shape, conv_pool.dtype),  # windows read
+                        pltpu.VMEM(win_shape, conv_pool.dtype),  # windows written
                         pltpu.VMEM((rt, hb, d, d), state_pool.dtype),  # states, updated in place
                         pltpu.VMEM((3, hb, d, rt), F32),  # q, k, e^g as columns
                         pltpu.VMEM((2, rt, hb, d), F32),  # v, beta as rows
@@ -401,7 +425,8 @@ def kda_decode(qkv_raw, f, beta, gate_out, state_pool, conv_pool, layer, tok, re
                         pltpu.SemaphoreType.DMA((rt, _N_OUT))])
     n_pre = len(scalars) + 8  # operands before the pools
     o, state_pool, conv_pool = pl.pallas_call(
-        functools.partial(_kernel, rt=rt, hb=hb, d=d, P=P, Wm1=W - 1, num_slots=S, lower_bound=lower_bound, eps=eps),
+        functools.partial(_kernel, rt=rt, hb=hb, d=d, P=P, Wm1=W - 1, num_slots=S, lower_bound=lower_bound, eps=eps,
+                          conv_rows=rows_layout),
         grid_spec=spec,
         out_shape=[jax.ShapeDtypeStruct((Rp, H, d), F32), jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype),
                    jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)],
@@ -430,7 +455,7 @@ def kda_decode_reference(qkv_raw, f, beta, gate_out, state_pool, conv_pool, laye
     fr = jnp.asarray(fresh).astype(bool)
     rd = jnp.clip(read_slot, 0, S - 1)
     t = jnp.clip(tok, 0, T - 1)
-    conv_rows = jnp.where(fr[:, None, None], 0.0, conv_pool[layer, rd].astype(F32))
+    conv_rows = jnp.where(fr[:, None, None], 0.0, conv_pool[layer, rd].astype(F32).reshape(R, W - 1, 3 * P))
     state_rows = jnp.where(fr[:, None, None, None], 0.0, state_pool[layer, rd].astype(F32))
     rows = jnp.arange(R, dtype=I32)
     none = jnp.zeros((0,), I32)
@@ -454,5 +479,6 @@ def kda_decode_reference(qkv_raw, f, beta, gate_out, state_pool, conv_pool, laye
     for slot in (write_slot, snap_slot):
         idx = target(jnp.asarray(slot, I32))
         state_pool = state_pool.at[layer, idx].set(new_state.astype(state_pool.dtype), mode="drop")
-        conv_pool = conv_pool.at[layer, idx].set(new_conv.astype(conv_pool.dtype), mode="drop")
+        conv_pool = conv_pool.at[layer, idx].set(new_conv.reshape((R,) + conv_pool.shape[2:]).astype(conv_pool.dtype),
+                                                 mode="drop")
     return o, state_pool, conv_pool

@@ -61,7 +61,9 @@ def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_nor
     # ---- rows of two tokens or more: conv in XLA, the delta rule in the prefill kernel
     qlp = jnp.where(pre, ql, 0)
     tok_pre = jnp.where(pre[jnp.minimum(tok_row, R - 1)] & (tok_row < R), tok_row, R)
-    conv_rows = jnp.where((fresh | ~pre)[:, None, None], 0.0, conv_pool[layer, jnp.clip(read_slot, 0, S - 1)])
+    W1 = conv_w.shape[1] - 1
+    conv_rows = conv_pool[layer, jnp.clip(read_slot, 0, S - 1)].reshape(R, W1, 3 * P)  # either pool layout
+    conv_rows = jnp.where((fresh | ~pre)[:, None, None], 0.0, conv_rows)
     y, new_conv, snap_conv = ragged_causal_conv(qkv_raw, conv_rows, conv_w, tok_pre, cu, qlp, snap_row, snap_len)
     y = jax.nn.silu(y)
     q, k, v = (t.reshape(T, H, d) for t in (y[:, :P], y[:, P:2 * P], y[:, 2 * P:]))
@@ -73,8 +75,9 @@ def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_nor
                                     read_slot, write_slot, fresh, snap_row, snap_len, snap_slot, interpret=interpret)
     s_row = jnp.minimum(snap_row, R - 1)
     s_ok = (snap_row < R) & pre[s_row] & (snap_len >= 1) & (snap_len <= qlp[s_row])
-    conv_pool = conv_pool.at[layer, jnp.where(pre, write_slot, S)].set(new_conv.astype(conv_pool.dtype), mode="drop")
-    conv_pool = conv_pool.at[layer, jnp.where(s_ok, snap_slot, S)].set(snap_conv.astype(conv_pool.dtype), mode="drop")
+    win = lambda x: x.reshape(x.shape[:1] + conv_pool.shape[2:]).astype(conv_pool.dtype)  # noqa: E731
+    conv_pool = conv_pool.at[layer, jnp.where(pre, write_slot, S)].set(win(new_conv), mode="drop")
+    conv_pool = conv_pool.at[layer, jnp.where(s_ok, snap_slot, S)].set(win(snap_conv), mode="drop")
     gate = jax.nn.sigmoid(gate_out.astype(F32).reshape(T, H, d))
     o_pre = _rms_normalize(o_pre, eps) * o_norm.astype(F32) * gate
 
