@@ -81,7 +81,7 @@ def test_prefill_kernel_compiles_at_per_device_heads(mesh):
     state, _ = _pools(mesh, H, d, W, S=65)
     p = lambda shape, dt: tpu_aot.placed(shape, dt, mesh)  # noqa: E731
     args = [*[p((T, H, d), F32)] * 4, p((T, H), F32), state, p((), I32), p((T,), I32), p((R + 1,), I32),
-            *[p((R,), I32)] * 5, p((R,), jnp.bool_), *[p((R,), I32)] * 3]
+            *[p((R,), I32)] * 4, p((R,), jnp.bool_), *[p((R,), I32)] * 3]
     compiled, _ = tpu_aot.compile_for_tpu(lambda *a: kda_prefill(*a, chunk_size=64), args, mesh,
                                           donate_argnums=(5,))
     _check(compiled, (state,))
@@ -99,7 +99,7 @@ def test_layer_on_pools_compiles_without_pool_copies(mesh):
     p = lambda shape, dt: tpu_aot.placed(shape, dt, mesh)  # noqa: E731
     args = [p((T, 3 * P), BF16), p((T, P), BF16), p((T, H), BF16), p((T, P), BF16), p((3 * P, W), BF16),
             p((H,), F32), p((P,), F32), p((d,), F32), state, conv, p((), I32), p((T,), I32), p((R + 1,), I32),
-            *[p((R,), I32)] * 5, p((R,), jnp.bool_), *[p((R,), I32)] * 3]
+            *[p((R,), I32)] * 4, p((R,), jnp.bool_), *[p((R,), I32)] * 3]
     fn = lambda *a: kda_layer_on_pools(*a, lower_bound=-5.0, eps=1e-5)  # noqa: E731
     compiled, _ = tpu_aot.compile_for_tpu(fn, args, mesh, donate_argnums=(8, 9))
     assert len(_check(compiled, (state, conv))) == 2  # the decode and the prefill kernel
