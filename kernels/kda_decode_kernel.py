@@ -17,7 +17,10 @@ Inputs (T tokens of the flattened step; row r's token is ``tok[r]``)::
   beta     [T, H]   write strength (already sigmoided)
   gate_out [T, P]   raw output gate (sigmoided here)
   state_pool [L, S, H, d, d]   S[k, v] per layer and slot (float32), passed whole
-  conv_pool  [L, S, W-1, 3P]   last W-1 raw q|k|v projections, oldest first, passed whole
+  conv_pool  [L, S, W-1, 3P]   last W-1 raw q|k|v projections, oldest first, passed whole;
+         or [L, S, (W-1)*3H, d]  the same elements in the same order ("row layout": window
+                               row t, part p (q|k|v), head h is row (t*3 + p)*H + h) — the one
+                               to use on TPU (below)
   layer      scalar: which layer of the pools
   tok, read_slot, write_slot, snap_slot, fresh [R]; n_dec scalar
   conv_w [3P, W] (column W-1 multiplies the newest), A_log [H], dt_bias [P], o_norm [d]
@@ -36,11 +39,19 @@ Grid ``(ceil(R / rows_per_tile), H / heads_per_block)``, both axes "parallel": a
 owns ``rows_per_tile`` rows and ``heads_per_block`` heads, i.e. disjoint (slot, head-range)
 regions of both pools, so steps never depend on one another. Row tiles wholly past ``n_dec``
 do nothing (the grid is static; ``n_dec`` is traced). Metadata are scalar-prefetched into
-SMEM. All token and pool operands stay in HBM (``pl.ANY``) and are moved by manual DMA,
-since rows are ragged: per live row, its token's q/k/v/f/gate/beta columns of the head block,
-its conv window (3 DMAs, the q, k and v column ranges) and its state ``[hb, d, d]``. Within a
-step every read is started first; the small ones are awaited, the vector prologue (conv, SiLU,
-norms, gates) runs on the whole tile, the new conv windows are written out; then row by row
+SMEM. The rows' tokens are gathered by the wrapper in row order (``[3, R, P]`` q|k|v, ``[R,
+P]`` f and gate, beta repeated per channel to ``[R, P]``, in the inputs' dtype) and enter as
+ordinary ``(rt, hb*d)`` blocks that Pallas pipelines. Why: a row's token is one row of ``[T,
+3P]``, and a one-row DMA of bf16 (two rows packed per sublane) is rejected by Mosaic on TPU
+("Slice sizes along tiled dimensions must be aligned"), from HBM and into VMEM alike; a block
+of 8 gathered rows is a whole tile. The gather costs ``R·6P·isz`` read and written by XLA
+(bf16: 9.4 MB at 64 rows, K3), against ~800 MB of state traffic.
+The pools stay in HBM (``pltpu.HBM``; with ``pl.ANY`` a small operand may be placed in VMEM)
+and are moved by manual DMA, since rows are ragged: per live row its conv window (3 DMAs, the
+q, k and v column ranges; 3 (W-1) DMAs of ``[hb, d]`` rows in the row layout) and its state
+``[hb, d, d]``. Within a step every read is started first; the windows are awaited, the
+vector prologue (conv, SiLU, norms, gates) runs on the whole tile, the new conv windows are
+written out; then row by row
 the state is awaited, updated in place in VMEM head by head (a ``[d, d]`` tile at a time)
 and its write DMA started, so a row's update overlaps the DMAs of the others. Every write is
 awaited before the step ends. Nothing is reshaped or bitcast as a ref: the VMEM scratch is
@@ -62,19 +73,32 @@ H heads of width d, P = H*d, W the conv width, ``isz`` the token inputs' itemsiz
 
   HBM bytes ≈ 4·H·d²·((R' - F) + R' + N)        state: read, write, snapshot
             + 4·(W-1)·3P·((R' - F) + R' + N)    conv window: same
-            + R'·(6P + H)·isz                    the token's q|k|v, f, gate_out, beta
+            + 3·R·6P·isz                         the rows' q|k|v, f, gate_out, beta per channel
+                                                 (gathered by XLA, read by the kernel)
             + 4·R·H·d                            o
   FLOPs ≈ R'·(7·H·d² + 2·3P·W + ~30·P)          delta step (decay, two reductions, rank-1
                                                  update), conv, norms and gates
 
 so at K3 size (H=96, d=128, W=4) a non-fresh row without a snapshot moves 12.6 MB of state
 and 0.9 MB of conv window for ~11 MFLOP: under 1 FLOP per byte, bandwidth-bound on any TPU.
-VMEM per step ≈ 4·rt·hb·d² (state) + 8·rt·3·(W-1)·hb·d (windows read and written) + the
-column buffer ``[3, hb, d, rt]`` (rt on lanes, padded to 128) + small; 8 rows x 8 heads at
-d = 128: 4 MiB + 0.6 MiB + 1.5 MiB.
+VMEM per step (:func:`decode_vmem_bytes`, what :func:`decode_blocks` plans with) ≈
+4·rt·hb·d² (states) + 8·rt·3·8·hb·d (windows read and written, W-1 rows padded to a sublane
+tile) + 48·8·hb·d (token blocks, double-buffered, f32 at most) + the column buffer ``[3, hb, d, rt]`` (rt on
+lanes, padded to 128) + small; 8 rows x 8 heads at d = 128: 4 + 1.5 + 0.4 + 1.5 MiB. The
+kernel asks for ``vmem_limit_bytes`` = 48 MiB (:data:`VMEM_LIMIT`; the default scoped limit is
+32 MiB of a v7x TensorCore's 64) and plans blocks within half of it, the rest left to Mosaic's
+own values of the prologue. Compiled for ``tpu7x`` (libtpu, tests/test_tpu_aot_kda.py): 8 x 8
+blocks use 6.6 MiB at 96 and at 24 heads.
 
-Status: proven in TPU interpret mode on the CPU (tests/test_kda_decode_kernel.py); the Mosaic
-lowering (tiling of the row DMAs and of the column loads) is not yet compiled on a TPU.
+The conv pool on TPU: XLA's default layout of ``f32[L, S, W-1, 3P]`` does not keep the window
+rows (3) second-minor (it picks ``{1, 2, 0, 3}``, S outermost, to avoid padding 3 to 8), Mosaic
+wants row-major tiles, so XLA copies the whole pool in and out around the kernel (~57 MiB per
+layer of 129 slots at 96 heads; on every call). ``[L, S, (W-1)*3H, d]`` is the same bytes with a
+second-minor dim that needs no padding: its default layout is row-major and the compiled
+program has no copy of either pool.
+
+Status: interpret mode on the CPU (tests/test_kda_decode_kernel.py) and compiled for tpu7x
+(tests/test_tpu_aot_kda.py); never run on a TPU (speed and DMA ordering unverified).
 """
 from __future__ import annotations
 
@@ -203,7 +227,7 @@ def _kernel(rd_ref, wr_ref, sn_ref, fr_ref, n_ref, layer_ref,
         cw = cw_ref[...].astype(F32)  # [3, W, C]
         ys = []
         for p in range(3):
-            x = x_ref[p]  # [rt, C]
+            x = x_ref[p].astype(F32)  # [rt, C]
             y = x * cw[p, Wm1:Wm1 + 1]
             for t in range(Wm1):
                 y = y + win_buf[:, p, t].astype(F32).reshape(rt, C) * cw[p, t:t + 1]
@@ -228,9 +252,9 @@ def _kernel(rd_ref, wr_ref, sn_ref, fr_ref, n_ref, layer_ref,
         q = _l2_normalize(ys[0].reshape(rt, hb, d)) * (d ** -0.5)
         k = _l2_normalize(ys[1].reshape(rt, hb, d))
         v = ys[2].reshape(rt, hb, d)
-        g = _log_decay(f_ref[...], a_ref[...], dtb_ref[...], lower_bound)  # [rt, C]
+        g = _log_decay(f_ref[...].astype(F32), a_ref[...], dtb_ref[...], lower_bound)  # [rt, C]
         eg = jnp.exp(g)
-        bv = b_ref[...].reshape(rt, hb, d)
+        bv = b_ref[...].astype(F32).reshape(rt, hb, d)
         # q, k, e^g as columns (the state's k axis is its second-minor one): one transpose per tile
         for c, val in enumerate((q.reshape(rt, C), k.reshape(rt, C), eg)):
             cols_buf[c] = val.T.reshape(hb, d, rt)
@@ -273,7 +297,7 @@ def _kernel(rd_ref, wr_ref, sn_ref, fr_ref, n_ref, layer_ref,
 
         # ---- gated output norm on the tile
         o = o_buf[...]  # [rt, hb, d]
-        gate = jax.nn.sigmoid(go_ref[...]).reshape(rt, hb, d)
+        gate = jax.nn.sigmoid(go_ref[...].astype(F32)).reshape(rt, hb, d)
         o = _rms_normalize(o, eps) * on_ref[...] * gate
         live = (i * rt + jax.lax.broadcasted_iota(I32, (rt, 1, 1), 0)) < n_dec
         o_ref[...] = jnp.where(live, o, 0.0)
@@ -399,8 +423,8 @@ def kda_decode(qkv_raw, f, beta, gate_out, state_pool, conv_pool, layer, tok, re
     on = o_norm.astype(F32).reshape(1, d)
     # the rows' tokens gathered in row order and widened to f32 (module docstring: why)
     t = meta(jnp.clip(tok, 0, T - 1), 0)
-    x = qkv_raw[t].astype(F32).reshape(Rp, 3, P).transpose(1, 0, 2)  # [3, Rp, P]
-    b = jnp.repeat(beta[t].astype(F32), d, axis=1)  # [Rp, P]: beta per channel
+    x = qkv_raw[t].reshape(Rp, 3, P).transpose(1, 0, 2)  # [3, Rp, P]
+    b = jnp.repeat(beta[t], d, axis=1)  # [Rp, P]: beta per channel
     tok_spec = pl.BlockSpec((rt, C), lambda i, h, *_: (i, h))
 
     rows_layout = conv_is_rows(conv_pool.shape, H, d, W)
@@ -434,7 +458,7 @@ def kda_decode(qkv_raw, f, beta, gate_out, state_pool, conv_pool, layer, tok, re
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                              vmem_limit_bytes=vmem_limit_bytes),
         interpret=interpret,
-    )(*scalars, cw, a, dtb, on, x, f[t].astype(F32), b, gate_out[t].astype(F32), state_pool, conv_pool)
+    )(*scalars, cw, a, dtb, on, x, f[t], b, gate_out[t], state_pool, conv_pool)
     return o[:R], state_pool, conv_pool
 
 

@@ -11,6 +11,11 @@ but every row's state and conv window is read from and written to the pools in p
   :func:`kda_prefill_kernel.kda_prefill` for the delta rule (state carried across a row's
   chunks, written to the write slot, snapshots at any offset), then the gated output norm.
 
+The conv pool may be ``[L, S, W-1, 3P]`` or the row layout ``[L, S, (W-1)*3H, d]`` (the same
+elements; ``kda_decode_kernel`` docstring): on TPU only the latter compiles without XLA
+copying the whole pool in and out around the decode kernel. Block sizes and VMEM limits are
+the kernels' own (derived from their VMEM budgets).
+
 Rows with no tokens are untouched. A caller that masks a whole layer (``q_lens`` all zero, as
 the layer scan does for a non-KDA layer) gets zeros and unchanged pools: neither kernel visits
 a row and no window is scattered.

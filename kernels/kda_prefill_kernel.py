@@ -13,7 +13,7 @@ Inputs (T tokens in R rows; layout as in ``kernels/kda_ragged.py``)::
   q, k  [T, H, dk]   after conv, SiLU and L2 norm; q already scaled by dk^-1/2
   v     [T, H, dv]
   g     [T, H, dk]   per-channel log-decay (<= 0)
-  beta  [T, H]
+  beta  [T, H]       (the wrapper passes it on as [H/hb, T, hb] float32: below)
   state_pool [L, S, H, dk, dv] float32, S[k, v]; passed whole with ``layer`` (never a slice)
   tok_row [T], cu_q_lens [R+1], q_lens [R], start_pos [R], read_slot, write_slot, fresh [R]
   snap_row, snap_len, snap_slot [NS]
@@ -42,8 +42,13 @@ consecutive: the state ``[hb, dk, dv]`` lives in VMEM scratch, set at the row's 
 (zeroed, or copied from a staging buffer whose DMA from the read slot was started one step
 earlier, while the previous tile computed) and DMA'd to the write slot at its last.
 
-Per tile (all HBM operands ``pl.ANY``, moved by manual DMA): one window of ``W = min(C, T)``
-tokens of each of q, k, v, g, beta for the head block is DMA'd, starting at ``clamp(tok0, 0,
+Per tile (all token and pool operands in HBM, ``pltpu.HBM`` — with ``pl.ANY`` a small operand
+may be placed in VMEM — moved by manual DMA): one window of ``W = min(C, T)`` tokens of each of
+q, k, v, g, beta for the head block is DMA'd (q/k/v/g ``[W, hb, d]`` from ``[T, H, d]``: the
+window on the untiled leading dim, the heads an aligned sublane range; beta ``[W, hb]`` from
+``[H/hb, T, hb]``: the head block a leading index, the window a float32 row range, the minor
+dim whole — a ``[W, hb]`` window of ``[T, H]`` is a dynamic 8-lane slice of the minor dim,
+which Mosaic rejects on TPU), starting at ``clamp(tok0, 0,
 T - W)`` (a static size; a tile sits at offset ``off`` inside it), double-buffered: a head
 block's first step fetches its own windows, every step starts the next tile's into the other
 buffer before waiting for its own, so the fetch overlaps a tile's compute. Positions outside
@@ -94,12 +99,17 @@ i.e. per token and head about ``C·(7dk + 3dv) + 6·dk·dv`` ≈ 0.18 MFLOP at C
 ``2·W·hb·(3dk + dv + 1)·isz`` (windows, double-buffered) + ``4·hb·(W·dv + W·(2dk + dv) +
 4·dk·dv)`` (o, G/k/U scratch, carried / staged / new / snapshot states) + the pairwise sub-block
 tensor ``4·sub²·dk`` per head; at hb = 8, C = 64, d = 128, bf16 inputs: ≈ 1 + 3.1 + 0.1 MiB.
+:func:`prefill_vmem_bytes` counts the same with tile padding and f32 inputs (what the layer
+passes), plus the live ``[W, W]`` matrices of one head's tile math; :func:`prefill_heads`
+picks the heads per step from it within half of ``vmem_limit_bytes`` (48 MiB,
+:data:`VMEM_LIMIT`, explicit: the default scoped limit is 32 MiB of a v7x TensorCore's 64).
+Compiled for ``tpu7x`` (libtpu, tests/test_tpu_aot_kda.py): hb = 8, T 512, C 64 uses 7.0 MiB
+(C 128: see the design notes), at 96 and at 24 heads.
 
 Not yet done: snapshot and final-state writes are awaited in the step that starts them (not
-overlapped with the next tile); the Mosaic lowering (the strided head slices of the windows,
-3-D value broadcasts of the in-block decay tensor, ``[1, dk] -> [dk, 1]`` transposes, 2-D SMEM
-metadata) and the block sizes have only run in interpret mode on the CPU
-(tests/test_kda_prefill_kernel.py), never compiled on a TPU.
+overlapped with the next tile). Checked in interpret mode on the CPU
+(tests/test_kda_prefill_kernel.py) and compiled for tpu7x (tests/test_tpu_aot_kda.py); never
+run on a TPU (speed and DMA ordering unverified).
 """
 from __future__ import annotations
 
