@@ -11,6 +11,11 @@ but every row's state and conv window is read from and written to the pools in p
   :func:`kda_prefill_kernel.kda_prefill` for the delta rule (state carried across a row's
   chunks, written to the write slot, snapshots at any offset), then the gated output norm.
 
+The conv pool may be ``[L, S, W-1, 3P]`` or the row layout ``[L, S, (W-1)*3H, d]`` (the same
+elements; ``kda_decode_kernel`` docstring): on TPU only the latter compiles without XLA
+copying the whole pool in and out around the decode kernel. Block sizes and VMEM limits are
+the kernels' own (derived from their VMEM budgets).
+
 Rows with no tokens are untouched. A caller that masks a whole layer (``q_lens`` all zero, as
 the layer scan does for a non-KDA layer) gets zeros and unchanged pools: neither kernel visits
 a row and no window is scattered.
@@ -47,7 +52,6 @@ def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_nor
     cu = cu_q_lens.astype(I32)
     one, pre = ql == 1, ql >= 2
     tok_row = tok_row.astype(I32)
-    hb = max(n for n in range(1, min(8, H) + 1) if H % n == 0)  # heads per grid step
 
     # ---- one-token rows: the decode kernel (a row's token is its first)
     e_ok = (snap_row < R) & (snap_len == 1)
@@ -57,12 +61,14 @@ def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_nor
     o_dec, state_pool, conv_pool = kda_decode(
         qkv_raw, f, beta, gate_out, state_pool, conv_pool, layer, jnp.minimum(cu[:R], T - 1), read_slot,
         jnp.where(one, write_slot, -1), row_snap, fresh, jnp.where(jnp.any(one), R, 0), conv_w, A_log, dt_bias,
-        o_norm, lower_bound=lower_bound, eps=eps, blocks=(min(8, R), hb), interpret=interpret)
+        o_norm, lower_bound=lower_bound, eps=eps, interpret=interpret)
 
     # ---- rows of two tokens or more: conv in XLA, the delta rule in the prefill kernel
     qlp = jnp.where(pre, ql, 0)
     tok_pre = jnp.where(pre[jnp.minimum(tok_row, R - 1)] & (tok_row < R), tok_row, R)
-    conv_rows = jnp.where((fresh | ~pre)[:, None, None], 0.0, conv_pool[layer, jnp.clip(read_slot, 0, S - 1)])
+    W1 = conv_w.shape[1] - 1
+    conv_rows = conv_pool[layer, jnp.clip(read_slot, 0, S - 1)].reshape(R, W1, 3 * P)  # either pool layout
+    conv_rows = jnp.where((fresh | ~pre)[:, None, None], 0.0, conv_rows)
     y, new_conv, snap_conv = ragged_causal_conv(qkv_raw, conv_rows, conv_w, tok_pre, cu, qlp, snap_row, snap_len)
     y = jax.nn.silu(y)
     q, k, v = (t.reshape(T, H, d) for t in (y[:, :P], y[:, P:2 * P], y[:, 2 * P:]))
@@ -71,12 +77,12 @@ def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_nor
     a = jnp.exp(A_log.astype(F32))[:, None]
     g = _log_decay(f.astype(F32).reshape(T, H, d), a, dt_bias.astype(F32).reshape(H, d), lower_bound)
     o_pre, state_pool = kda_prefill(q, k, v, g, beta.astype(F32), state_pool, layer, tok_pre, cu, qlp, start_pos,
-                                    read_slot, write_slot, fresh, snap_row, snap_len, snap_slot, blocks=(hb,),
-                                    interpret=interpret)
+                                    read_slot, write_slot, fresh, snap_row, snap_len, snap_slot, interpret=interpret)
     s_row = jnp.minimum(snap_row, R - 1)
     s_ok = (snap_row < R) & pre[s_row] & (snap_len >= 1) & (snap_len <= qlp[s_row])
-    conv_pool = conv_pool.at[layer, jnp.where(pre, write_slot, S)].set(new_conv.astype(conv_pool.dtype), mode="drop")
-    conv_pool = conv_pool.at[layer, jnp.where(s_ok, snap_slot, S)].set(snap_conv.astype(conv_pool.dtype), mode="drop")
+    win = lambda x: x.reshape(x.shape[:1] + conv_pool.shape[2:]).astype(conv_pool.dtype)  # noqa: E731
+    conv_pool = conv_pool.at[layer, jnp.where(pre, write_slot, S)].set(win(new_conv), mode="drop")
+    conv_pool = conv_pool.at[layer, jnp.where(s_ok, snap_slot, S)].set(win(snap_conv), mode="drop")
     gate = jax.nn.sigmoid(gate_out.astype(F32).reshape(T, H, d))
     o_pre = _rms_normalize(o_pre, eps) * o_norm.astype(F32) * gate
 

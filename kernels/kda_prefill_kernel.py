@@ -13,7 +13,7 @@ Inputs (T tokens in R rows; layout as in ``kernels/kda_ragged.py``)::
   q, k  [T, H, dk]   after conv, SiLU and L2 norm; q already scaled by dk^-1/2
   v     [T, H, dv]
   g     [T, H, dk]   per-channel log-decay (<= 0)
-  beta  [T, H]
+  beta  [T, H]       (the wrapper passes it on as [H/hb, T, hb] float32: below)
   state_pool [L, S, H, dk, dv] float32, S[k, v]; passed whole with ``layer`` (never a slice)
   tok_row [T], cu_q_lens [R+1], q_lens [R], start_pos [R], read_slot, write_slot, fresh [R]
   snap_row, snap_len, snap_slot [NS]
@@ -42,8 +42,13 @@ consecutive: the state ``[hb, dk, dv]`` lives in VMEM scratch, set at the row's 
 (zeroed, or copied from a staging buffer whose DMA from the read slot was started one step
 earlier, while the previous tile computed) and DMA'd to the write slot at its last.
 
-Per tile (all HBM operands ``pl.ANY``, moved by manual DMA): one window of ``W = min(C, T)``
-tokens of each of q, k, v, g, beta for the head block is DMA'd, starting at ``clamp(tok0, 0,
+Per tile (all token and pool operands in HBM, ``pltpu.HBM`` — with ``pl.ANY`` a small operand
+may be placed in VMEM — moved by manual DMA): one window of ``W = min(C, T)`` tokens of each of
+q, k, v, g, beta for the head block is DMA'd (q/k/v/g ``[W, hb, d]`` from ``[T, H, d]``: the
+window on the untiled leading dim, the heads an aligned sublane range; beta ``[W, hb]`` from
+``[H/hb, T, hb]``: the head block a leading index, the window a float32 row range, the minor
+dim whole — a ``[W, hb]`` window of ``[T, H]`` is a dynamic 8-lane slice of the minor dim,
+which Mosaic rejects on TPU), starting at ``clamp(tok0, 0,
 T - W)`` (a static size; a tile sits at offset ``off`` inside it), double-buffered: a head
 block's first step fetches its own windows, every step starts the next tile's into the other
 buffer before waiting for its own, so the fetch overlaps a tile's compute. Positions outside
@@ -94,12 +99,17 @@ i.e. per token and head about ``C·(7dk + 3dv) + 6·dk·dv`` ≈ 0.18 MFLOP at C
 ``2·W·hb·(3dk + dv + 1)·isz`` (windows, double-buffered) + ``4·hb·(W·dv + W·(2dk + dv) +
 4·dk·dv)`` (o, G/k/U scratch, carried / staged / new / snapshot states) + the pairwise sub-block
 tensor ``4·sub²·dk`` per head; at hb = 8, C = 64, d = 128, bf16 inputs: ≈ 1 + 3.1 + 0.1 MiB.
+:func:`prefill_vmem_bytes` counts the same with tile padding and f32 inputs (what the layer
+passes), plus the live ``[W, W]`` matrices of one head's tile math; :func:`prefill_heads`
+picks the heads per step from it within half of ``vmem_limit_bytes`` (48 MiB,
+:data:`VMEM_LIMIT`, explicit: the default scoped limit is 32 MiB of a v7x TensorCore's 64).
+Compiled for ``tpu7x`` (libtpu, tests/test_tpu_aot_kda.py): hb = 8, T 512, C 64 uses 7.0 MiB
+(C 128: see the design notes), at 96 and at 24 heads.
 
 Not yet done: snapshot and final-state writes are awaited in the step that starts them (not
-overlapped with the next tile); the Mosaic lowering (the strided head slices of the windows,
-3-D value broadcasts of the in-block decay tensor, ``[1, dk] -> [dk, 1]`` transposes, 2-D SMEM
-metadata) and the block sizes have only run in interpret mode on the CPU
-(tests/test_kda_prefill_kernel.py), never compiled on a TPU.
+overlapped with the next tile). Checked in interpret mode on the CPU
+(tests/test_kda_prefill_kernel.py) and compiled for tpu7x (tests/test_tpu_aot_kda.py); never
+run on a TPU (speed and DMA ordering unverified).
 """
 from __future__ import annotations
 
@@ -225,9 +235,11 @@ def _kernel(meta_ref, ntiles_ref, layer_ref, sp_ref, ss_ref,
         """Tile windows into buffer slot ``slot`` (double-buffered: the next tile's are in
         flight while this one computes)."""
         win = pl.ds(w0_, W)
-        return [pltpu.make_async_copy(src.at[win, heads], dst.at[slot], wsem.at[slot, n])
-                for n, (src, dst) in enumerate(((q_hbm, q_buf), (k_hbm, k_buf), (v_hbm, v_buf), (g_hbm, g_buf),
-                                                (b_hbm, b_buf)))]
+        cps = [pltpu.make_async_copy(src.at[win, heads], dst.at[slot], wsem.at[slot, n])
+               for n, (src, dst) in enumerate(((q_hbm, q_buf), (k_hbm, k_buf), (v_hbm, v_buf), (g_hbm, g_buf)))]
+        # beta is [H/hb, T, hb]: the head block is a leading index, the window a row range
+        cps.append(pltpu.make_async_copy(b_hbm.at[h, win], b_buf.at[slot], wsem.at[slot, 4]))
+        return cps
 
     def state_in(slot):
         """A row's initial state into the staging buffer (started one step ahead)."""
@@ -335,7 +347,39 @@ def _kernel(meta_ref, ntiles_ref, layer_ref, sp_ref, ss_ref,
                 cp.wait()
 
 
-def _check(q, k, v, g, beta, state_pool, chunk_size, blocks):
+VMEM_LIMIT = 48 * 2**20  # the kernel's scoped VMEM limit (a v7x TensorCore has 64 MiB)
+MAX_HEADS = 8  # heads per grid step at most: the tile math is unrolled per head (compile time)
+
+
+def prefill_vmem_bytes(hb: int, W: int, dk: int, dv: int) -> int:
+    """VMEM one grid step of :func:`kda_prefill` holds (f32, (8, 128) tiles with padding): the
+    q/k/v/g windows and the beta window, double-buffered; o of the window; the carried,
+    staged, new and snapshot states; the G / U / masked-k scratch; plus the live values of one
+    head's tile math (the ``[W, W]`` score and solve matrices, the ``[16, 16, dk]`` in-block
+    decay tensor), counted as four ``[W, max(W, 128)]`` and one ``[16, 16, dk]`` f32 arrays."""
+    lanes = lambda n: -(-n // 128) * 128  # noqa: E731
+    hb8 = -(-hb // 8) * 8
+    windows = 2 * 4 * W * hb8 * (3 * lanes(dk) + lanes(dv)) + 2 * 4 * W * lanes(hb)
+    o = 4 * W * hb8 * lanes(dv)
+    states = 4 * 4 * hb * dk * lanes(dv)
+    scratch = 4 * hb * W * (2 * lanes(dk) + lanes(dv))
+    live = 4 * (4 * W * lanes(max(W, dk + dv)) + 16 * 16 * lanes(dk))
+    return windows + o + states + scratch + live
+
+
+def prefill_heads(H: int, W: int, dk: int, dv: int, budget: int) -> int:
+    """Heads per grid step for :func:`kda_prefill`: the largest divisor of H that Mosaic
+    accepts (a multiple of 8, or H) up to ``MAX_HEADS`` whose :func:`prefill_vmem_bytes` fits
+    ``budget`` (the smallest such when none fits). Why at most 8: the per-head tile math is
+    unrolled in the kernel body and compile time grows with it, while the head axis is already
+    "parallel" and a step's matmuls are per head, so more heads per step buy nothing but
+    fewer steps (at 96 heads, T 512, C 64, rows 8: 7.0 MiB used, 17 s on a loaded 2-core host)."""
+    ok = [n for n in range(1, H + 1) if H % n == 0 and (n % 8 == 0 or n == H)]
+    fit = [n for n in ok if n <= max(MAX_HEADS, min(ok)) and prefill_vmem_bytes(n, W, dk, dv) <= budget]
+    return max(fit) if fit else min(ok)
+
+
+def _check(q, k, v, g, beta, state_pool, chunk_size, blocks, vmem_limit_bytes=VMEM_LIMIT):
     T, H, dk = q.shape
     dv = v.shape[-1]
     L, S = state_pool.shape[:2]
@@ -346,13 +390,15 @@ def _check(q, k, v, g, beta, state_pool, chunk_size, blocks):
         raise ValueError("kda_prefill: shapes do not match: " + "; ".join(bad))
     if state_pool.dtype != F32:
         raise ValueError(f"kda_prefill: state_pool must be float32, not {state_pool.dtype}")
+    if chunk_size < 2:
+        raise ValueError(f"chunk_size {chunk_size} must be >= 2")
+    W = min(chunk_size, T)
+    if blocks is None:
+        blocks = (prefill_heads(H, W, dk, dv, vmem_limit_bytes // 2),)
     hb = blocks[0]
     sub = blocks[1] if len(blocks) > 1 else 16
     if hb < 1 or H % hb:
         raise ValueError(f"blocks {blocks}: heads_per_block must divide H={H}")
-    if chunk_size < 2:
-        raise ValueError(f"chunk_size {chunk_size} must be >= 2")
-    W = min(chunk_size, T)
     if sub < 1 or W % sub or sub > W:
         sub = W  # one block: the whole window inverted by row substitution
     return T, H, dk, dv, L, S, hb, sub, W
@@ -370,9 +416,10 @@ def _snap_used(snap_row, snap_len, snap_slot, ql, R, S):
     return srow, slen, used
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("chunk_size", "blocks", "interpret", "vmem_limit_bytes"))
 def kda_prefill(q, k, v, g, beta, state_pool, layer, tok_row, cu_q_lens, q_lens, start_pos, read_slot, write_slot,
-                fresh, snap_row, snap_len, snap_slot, *, chunk_size: int = 64, blocks: tuple = (8,), interpret=None):
+                fresh, snap_row, snap_len, snap_slot, *, chunk_size: int = 64, blocks: tuple | None = None, interpret=None,
+                vmem_limit_bytes: int = VMEM_LIMIT):
     """The prefill rows (``q_len >= 2``) of one KDA layer over the flattened step (module
     docstring: layout, math, grid, aliasing assumption, cost). Returns ``(o [T, H, dv] float32,
     state_pool)``, the pool updated in place (aliased; donate it at the outermost jit).
@@ -382,7 +429,7 @@ def kda_prefill(q, k, v, g, beta, state_pool, layer, tok_row, cu_q_lens, q_lens,
     in-block decay pairs (default 16; the whole window if it does not divide ``min(chunk_size,
     T)``). ``chunk_size``: C, static. ``interpret``: None (compile for TPU), True or a
     ``pltpu.InterpretParams`` (CPU tests)."""
-    T, H, dk, dv, L, S, hb, sub, W = _check(q, k, v, g, beta, state_pool, chunk_size, blocks)
+    T, H, dk, dv, L, S, hb, sub, W = _check(q, k, v, g, beta, state_pool, chunk_size, blocks, vmem_limit_bytes)
     C = chunk_size
     R = q_lens.shape[0]
     NS = snap_row.shape[0]
@@ -419,14 +466,17 @@ def kda_prefill(q, k, v, g, beta, state_pool, layer, tok_row, cu_q_lens, q_lens,
     ntiles = jnp.minimum(tl["num_tiles"], NT).reshape(1).astype(I32)
     scalars = (meta, ntiles, jnp.asarray(layer, I32).reshape(1), s_p, s_slot)
 
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    # beta by head block [H/hb, T, hb] float32: a window is rows w0.. of one block, whole in
+    # its minor dim (a dynamic lane offset h * hb in [T, H] does not lower)
+    beta_b = beta.astype(F32).reshape(T, H // hb, hb).transpose(1, 0, 2)
+    any_spec = pl.BlockSpec(memory_space=pltpu.HBM)  # not ANY: a small operand may land in VMEM
     spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars), grid=(H // hb, NT),
         in_specs=[any_spec] * 7,
         out_specs=[any_spec, any_spec],
         scratch_shapes=[pltpu.VMEM((2, W, hb, dk), q.dtype), pltpu.VMEM((2, W, hb, dk), k.dtype),
                         pltpu.VMEM((2, W, hb, dv), v.dtype), pltpu.VMEM((2, W, hb, dk), g.dtype),
-                        pltpu.VMEM((2, W, hb), beta.dtype),  # token windows, double-buffered
+                        pltpu.VMEM((2, W, hb), F32),  # token windows, double-buffered
                         pltpu.VMEM((W, hb, dv), F32),  # o of the window
                         pltpu.VMEM((hb, dk, dv), F32),  # the carried state (S0 of the tile)
                         pltpu.VMEM((hb, dk, dv), F32),  # a row's initial state, prefetched
@@ -444,9 +494,10 @@ def kda_prefill(q, k, v, g, beta, state_pool, layer, tok_row, cu_q_lens, q_lens,
         grid_spec=spec,
         out_shape=[jax.ShapeDtypeStruct((T, H, dv), F32), jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
         input_output_aliases={n + 6: 0, n + 5: 1},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                             vmem_limit_bytes=vmem_limit_bytes),
         interpret=interpret,
-    )(*scalars, q, k, v, g, beta, state_pool, jnp.zeros((T, H, dv), F32))
+    )(*scalars, q, k, v, g, beta_b, state_pool, jnp.zeros((T, H, dv), F32))
     return o, state_pool
 
 

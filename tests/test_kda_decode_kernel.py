@@ -238,3 +238,14 @@ def test_reference_matches_token_by_token_composition(lower_bound):
         else:
             assert not o[2].any()
     assert np.array_equal(np.asarray(sp[0]), other[0]) and np.array_equal(np.asarray(cp[0]), other[1])
+
+
+def test_row_layout_conv_pool(inputs_h4):
+    """The conv pool in the row layout ``[L, S, (W-1)*3H, d]`` (the same elements; the layout
+    that compiles for TPU without a copy of the pool, tests/test_tpu_aot_kda.py): same results
+    as the reference on the same pool, other entries untouched."""
+    x = dict(inputs_h4)
+    H, d = x["state_pool"].shape[2:4]
+    x["conv_pool"] = x["conv_pool"].reshape(L, S, (W - 1) * 3 * H, d)
+    meta = dict(META_5[0])
+    _check(x, meta, blocks=(2, 2), lower_bound=-5.0, poison=meta.pop("poison"))

@@ -121,3 +121,16 @@ def test_masked_layer_changes_nothing():
     assert not o.any()
     np.testing.assert_array_equal(st, state)
     np.testing.assert_array_equal(cv, conv)
+
+
+def test_row_layout_conv_pool_gives_the_same_result():
+    """The conv pool in the row layout ``[L, S, (W-1)*3H, d]`` (the same elements; the one that
+    compiles for TPU without a copy of the pool, tests/test_tpu_aot_kda.py): the same outputs
+    and pools, bit for bit, as the ``[L, S, W-1, 3P]`` layout."""
+    tok, par, state, conv = _inputs(0)
+    m = _step()
+    o, st, cv = (np.asarray(x) for x in _run(tok, par, state, conv, 1, m))
+    o2, st2, cv2 = (np.asarray(x) for x in _run(tok, par, state, conv.reshape(L, S, (W - 1) * 3 * H, D), 1, m))
+    np.testing.assert_array_equal(o2, o)
+    np.testing.assert_array_equal(st2, st)
+    np.testing.assert_array_equal(cv2.reshape(cv.shape), cv)
