@@ -127,7 +127,11 @@ def default_kernels() -> str:
 
 
 def repack_experts_for_kernels(module) -> None:
-    """MXFP4 experts' bytes in the grouped-matmul kernel's nibble order (lossless, once)."""
+    """MXFP4 experts' bytes in the grouped-matmul kernel's nibble order (lossless, once).
+
+    A placed load (a recipe's shards) is repacked shard by shard in its own sharding: the
+    repack permutes bytes within the last dim, which no recipe splits, so each device rewrites
+    only its block and nothing is gathered or moved."""
     from ..kernels.ops import repack_experts
     from .moe import Experts
 
@@ -135,4 +139,10 @@ def repack_experts_for_kernels(module) -> None:
         if isinstance(node, Experts) and node.mxfp4:
             for name in ("w1", "w2", "w3"):
                 var = getattr(node, name + "_packed")
-                var.set_value(repack_experts(var.get_value()))
+                v = var.get_value()
+                sharding = getattr(v, "sharding", None)
+                if isinstance(v, jax.Array) and sharding is not None:
+                    v = jax.jit(repack_experts, out_shardings=sharding)(v)
+                else:
+                    v = repack_experts(v)
+                var.set_value(v)

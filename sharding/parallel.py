@@ -33,6 +33,7 @@ Everything else in the step runs under XLA's Auto partitioner with the parameter
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -183,6 +184,135 @@ class StepParallel:
         return jax.shard_map(core, mesh=self.mesh, in_specs=specs, out_specs=(d, (d, d, d, d)),
                              check_vma=False)(*args)
 
+    # ------------------------------------------------------------------ Pallas kernels per rank
+    def _dcp_columns(self, table, local_table, ppr):
+        """This DCP rank's columns of the page table (pages ``(r - o) mod dcp``, then every
+        ``dcp``-th; ``o`` each row's starting rank) and their page ordinals ``[R, J]``."""
+        dcp = self.dcp
+        r = _flat_index(self.dcp_axes, self.sizes)
+        J = -(-table.shape[1] // dcp)
+        first_rank = (table[:, 0] // ppr) % dcp
+        ords = (r - first_rank)[:, None] % dcp + dcp * jnp.arange(J, dtype=jnp.int32)[None, :]
+        cols = jnp.take_along_axis(local_table, jnp.clip(ords, 0, table.shape[1] - 1), axis=1)
+        return jnp.where(ords < table.shape[1], cols, -1), ords
+
+    def mla_write_attend_flat(self, q_lat, q_rope, rows, kv_pool, layer, fb, tok_row, q_lens, scale: float,
+                              latent_dim: int, backend: str):
+        """The fused MLA layer of a Pallas backend (``ops.mla_write_attend``) per rank: write
+        the step's ``rows`` [T, W] into this rank's block of the pool and attend, returning
+        ``(out_lat [T, H, latent], pool)``. ``tok_row`` / ``q_lens``: the step's, masked by the
+        caller (a layer scan's non-MLA layer writes and attends nothing).
+
+        Without DCP one kernel call writes and attends over the rank's pages (the page table
+        mapped to its block, other blocks' pages ``-1``: never written, never read). With DCP
+        the write and the attention take different columns of the table (the write goes by
+        position, the attention only over this rank's columns, so it visits ``1/dcp`` of the
+        context), so there are two calls: the write (the mapped table, no query rows: only the
+        rank owning a row's page writes it), then the attention over the rank's columns with
+        their ordinals; the partials are merged exactly with their LSE, as
+        :meth:`mla_attend_flat`."""
+        from ..kernels import ops
+        from ..model.step import local_rows
+
+        dcp, dcp_ax = self.dcp, self.dcp_axes
+        q_spec, r_spec, pool_spec = self._mla_specs()
+
+        def local(q_lat, q_rope, rows, pool, table, tok_row, pos, kv_lens, cu, q_lens, layer):
+            tok_row = local_rows(tok_row, q_lens.shape[0])
+            ppr = pool.shape[1]
+            local_table = self._local_table(table, ppr)
+            call = functools.partial(ops.mla_write_attend, scale=scale, latent_dim=latent_dim, backend=backend)
+            if dcp == 1:
+                return call(q_lat, q_rope, rows, pool, layer, local_table, tok_row, pos, kv_lens, cu, q_lens)
+            # the write alone (no query rows: nothing attends), one head's queries for the shapes
+            _, pool = call(q_lat[:, :1], q_rope[:, :1], rows, pool, layer, local_table, tok_row, pos, kv_lens, cu,
+                           jnp.zeros_like(q_lens))
+            cols, ords = self._dcp_columns(table, local_table, ppr)
+            out, lse, pool = call(q_lat, q_rope, None, pool, layer, cols, tok_row, pos, kv_lens, cu, q_lens,
+                                  page_ordinals=ords, return_lse=True)
+            M = jax.lax.pmax(lse, dcp_ax)
+            M = jnp.where(jnp.isfinite(M), M, 0.0)
+            w = jnp.exp(lse - M)
+            num = jax.lax.psum(out * w[..., None], dcp_ax)
+            den = jax.lax.psum(w, dcp_ax)
+            return num / jnp.where(den > 0, den, 1.0)[..., None], pool
+
+        fn = jax.shard_map(local, mesh=self.mesh,
+                           in_specs=(q_spec, q_spec, r_spec, pool_spec, r_spec, r_spec, r_spec, r_spec, r_spec, r_spec,
+                                     P()),
+                           out_specs=(q_spec, pool_spec), check_vma=False)
+        return fn(q_lat, q_rope, rows, kv_pool, fb.page_table, tok_row, fb.pos, fb.kv_lens, fb.cu_q_lens, q_lens,
+                  jnp.asarray(layer, jnp.int32))
+
+    def kda_layer_on_pools(self, qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool,
+                           layer, fb, q_lens, *, lower_bound, eps, backend: str):
+        """``ops.kda_layer_on_pools`` (the KDA kernels on the pools in place) per rank: each DP
+        group on its own slots (slot ids made local to the group's block; others' dropped), each
+        rank of the group on its heads of the state pool (``_slot_spec``: heads over ``ATTN``).
+        Returns ``(o [T, H, d], state_pool, conv_pool)`` in the pools' layouts.
+
+        The conv pool keeps whole channels on every rank of a group (``q|k|v``, each ``H*d``:
+        a rank's heads are three separate channel ranges), while the kernels want the channels
+        of the heads they run. With the heads split, a rank hands the kernels a copy of the
+        layer's window pool holding its channels only, then writes the windows the kernels
+        wrote (the rows' write slots and snapshot slots) back into the whole pool after an
+        all-gather of those rows over the group. The copy is ``slots * (W-1) * 3P / group``
+        floats per layer and device; a conv pool split by head (a layout change of the cache)
+        would save it."""
+        from ..kernels import ops
+        from ..model.step import local_rows
+
+        T, H = beta.shape
+        Pw = f.shape[-1]
+        W = conv_w.shape[-1]
+        hax = self._state_heads(H)
+        split = hax is not None and self.recipe.attn_group > 1
+        ax = self.rows_axis
+        st_spec, cv_spec = self._slot_spec(state_pool), self._slot_spec(conv_pool)
+        h = hax if split else None
+        d = P(ax)
+        in_specs = (P(ax, None, h), P(ax, h), P(ax, h), P(ax, h), P(None, h, None), P(h), P(h), P(), st_spec, cv_spec,
+                    P(), d, d, d, d, d, d, d, d, d, d)
+        sizes = self.sizes
+
+        def local(qkv3, f, beta, gate_out, conv_w3, A_log, dt_bias, o_norm, state, conv, layer, tok_row, cu, q_lens,
+                  start_pos, read_slot, write_slot, fresh, snap_row, snap_len, snap_slot):
+            R, S = q_lens.shape[0], state.shape[1]
+            base = jax.lax.axis_index("dp") * S if self.dp > 1 else 0
+
+            def mine(slot):  # a global slot id -> this group's block, out of range (S) if not in it
+                lid = slot - base
+                return jnp.where((lid >= 0) & (lid < S), lid, S)
+
+            read = jnp.clip(read_slot - base, 0, S - 1)
+            write, snap = mine(write_slot), mine(snap_slot)
+            Tl, Pl = f.shape
+            qkv = qkv3.reshape(Tl, 3 * Pl)
+            cw = conv_w3.reshape(3 * Pl, W)
+            rows = (local_rows(tok_row, R), cu, q_lens, start_pos, read, write, fresh, local_rows(snap_row, R),
+                    snap_len, snap)
+            kw = dict(lower_bound=lower_bound, eps=eps, backend=backend)
+            if not split:
+                return ops.kda_layer_on_pools(qkv, f, beta, gate_out, cw, A_log, dt_bias, o_norm, state, conv, layer,
+                                              *rows, **kw)
+            Wm1 = conv.shape[2]
+            r = _flat_index(ATTN, sizes)
+            view = jax.lax.dynamic_index_in_dim(conv, layer, 0, keepdims=False).reshape(S, Wm1, 3, Pw)
+            mine_ch = jax.lax.dynamic_slice_in_dim(view, r * Pl, Pl, axis=3).reshape(1, S, Wm1, 3 * Pl)
+            o, state, mine_ch = ops.kda_layer_on_pools(qkv, f, beta, gate_out, cw, A_log, dt_bias, o_norm, state,
+                                                       mine_ch, 0, *rows, **kw)
+            at = jnp.concatenate([write, snap])  # the slots the kernels may have written
+            got = mine_ch[0, jnp.clip(at, 0, S - 1)].reshape(-1, Wm1, 3, Pl)
+            got = jax.lax.all_gather(got, ATTN, axis=3, tiled=True).reshape(-1, Wm1, 3 * Pw)
+            conv = conv.at[layer, at].set(got.astype(conv.dtype), mode="drop")
+            return o, state, conv
+
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=in_specs,
+                           out_specs=(P(ax, h, None), st_spec, cv_spec), check_vma=False)
+        return fn(qkv_raw.reshape(T, 3, Pw), f, beta, gate_out, conv_w.reshape(3, Pw, W), A_log, dt_bias, o_norm,
+                  state_pool, conv_pool, jnp.asarray(layer, jnp.int32), fb.tok_row, fb.cu_q_lens, q_lens,
+                  fb.start_pos, fb.read_slot, fb.write_slot, fb.fresh, fb.snap_row, fb.snap_len, fb.snap_slot)
+
     # ------------------------------------------------------------------ KDA slots by DP group
     def take_slots(self, pool, slots):
         """``pool[:, slots]`` where each DP group's rows name only its own slots (the KDA
@@ -214,14 +344,21 @@ class StepParallel:
                              check_vma=False)(pool, slots, rows)
 
     # ------------------------------------------------------------------ experts
-    def expert_ffn(self, *args, **kw):
+    def expert_ffn(self, *args, backend: str = "reference", **kw):
+        """The routed experts: explicit EP dispatch/combine (``sharding.ep``) when the recipe
+        has EP, and always for a Pallas backend with MXFP4 experts (the grouped-matmul kernel
+        runs per rank on its local experts inside the dispatch's ``shard_map``: a kernel left to
+        the Auto partitioner would have its sharded weights gathered whole); otherwise the
+        partitioner places ``ops.expert_ffn``."""
         from ..kernels import ops
 
-        if self.ep_impl is None:
-            return ops.expert_ffn(*args, **kw)
+        w1 = args[3]
+        gmm = backend != "reference" and isinstance(w1, (tuple, list))
+        if self.ep_impl is None and not gmm:
+            return ops.expert_ffn(*args, backend=backend, **kw)
         from .ep import expert_ffn_ep
 
-        return expert_ffn_ep(*args, mesh=self.mesh, impl=self.ep_impl, **kw)
+        return expert_ffn_ep(*args, mesh=self.mesh, impl=self.ep_impl or "auto", backend=backend, **kw)
 
     # ------------------------------------------------------------------ latent MoE projections
     def _latent_axes(self, width: int):
