@@ -1,7 +1,11 @@
-"""Child-process body for ``test_pallas_recipes.py`` (8 virtual CPU devices): one tiny K3
-served through the engine under each recipe, with ``kernels="pallas-interpret"`` (every
-Pallas kernel per rank inside the recipe's shard_maps) and with ``kernels="reference"``;
-prints one JSON line with each run's greedy tokens and logprobs."""
+"""Child-process body for ``test_pallas_recipes.py`` (8 virtual CPU devices): greedy decoding of
+one tiny K3 with ``kernels="pallas-interpret"`` under each recipe (every Pallas kernel run per
+rank inside the recipe's shard_maps) against ``kernels="reference"`` on one device.
+
+Each run is one jitted step of a fixed ``[rows, T]`` padded shape (the prefill, then one-token
+decode steps in the same shape), so each model compiles once: interpreted kernels make every
+compile and step slow. Pages and slots come from the engine's ``CacheManager`` (DP groups,
+DCP round robin), rows laid out by DP group as the runner does. Prints one JSON line."""
 from __future__ import annotations
 
 import json
@@ -11,17 +15,22 @@ import time
 
 import jax
 import numpy as np
+from flax import nnx
 
 from k3serve.checkpoints import load_pretrained
 from k3serve.checkpoints.synthetic import generate_checkpoint, k3_config
-from k3serve.server.engine.engine import Engine
-from k3serve.server.engine.sampling_params import SamplingParams
+from k3serve.model.cache import Cache, allocate_cache, make_batch
+from k3serve.server.engine.cache import CacheManager, plan_capacity
+from k3serve.sharding.mesh import build_mesh, shard_params
+from k3serve.sharding.parallel import StepParallel
 from k3serve.sharding.recipe import Recipe
+
+PAGE = 4
 
 
 def checkpoint(root: str) -> str:
-    """A 2-layer K3 (KDA + dense MLP, MLA + LatentMoE with MXFP4 experts), 8 KDA and MLA heads
-    (one per device of an 8-rank attention group), 8 experts."""
+    """A 2-layer K3 (KDA + dense MLP, MLA + LatentMoE with MXFP4 experts) with 8 KDA and MLA
+    heads and 8 experts: heads split over every attention group of 8 devices."""
     cfg = k3_config(vocab_size=256, hidden_size=64, num_hidden_layers=2, full_attn_layers=[2], kda_num_heads=8,
                     kda_head_dim=16, mla_heads=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
                     qk_rope_head_dim=8, v_head_dim=8, num_experts=8, num_experts_per_token=2,
@@ -30,22 +39,114 @@ def checkpoint(root: str) -> str:
     return str(generate_checkpoint(os.path.join(root, "k3-pallas-recipes"), cfg, seed=11))
 
 
-def serve(path: str, kernels: str, recipe: str, prompts, new_tokens: int) -> dict:
+def greedy(m, recipe: str | None, prompts, new_tokens: int) -> dict:
+    """Greedy tokens of every prompt, all in one batch, the last step's logits and the
+    number of Pallas kernel call sites in the step."""
+    cfg = m.config
+    par, params, dp, dcp = None, m.params, 1, 1
+    if recipe is not None:
+        r = Recipe.parse(recipe)
+        devs = jax.devices()[: r.devices]
+        r = r.validate(cfg, num_devices=len(devs))
+        mesh = build_mesh(r, devs)
+        par, params, dp, dcp = StepParallel(r, mesh), shard_params(m.params, mesh), r.dp, r.dcp
+    rows, T = len(prompts), max(map(len, prompts))
+    pps = -(-(T + new_tokens) // PAGE)
+    blocks = dp * dcp
+    plan = plan_capacity(cfg, page_size=PAGE, dtype=m.dtype, num_pages=-(-rows * pps // blocks) * blocks + blocks,
+                         max_num_seqs=rows, dp=dp, dcp=dcp)
+    mgr = CacheManager(cfg, plan, m.dtype, allocate=False)
+    for i, p in enumerate(prompts):
+        assert mgr.admit(i) and mgr.ensure_tokens(i, len(p) + new_tokens)
+    groups = [mgr.group_of(i) for i in range(rows)]
+    Bg = max(groups.count(g) for g in range(dp))
+    B, at, seen = dp * Bg, [], [0] * dp
+    for g in groups:  # rows laid out by DP group, as the runner does
+        at.append(g * Bg + seen[g])
+        seen[g] += 1
+    alloc = lambda: allocate_cache(cfg, plan.num_slots, plan.num_pages, PAGE, m.dtype)  # noqa: E731
+    cache = alloc() if par is None else jax.jit(alloc, out_shardings=Cache(**par.cache_shardings(cfg.kda_num_heads)))()
+    step = jax.jit(lambda p, c, b, at: nnx.merge(m.graphdef, p)(b, c, par=par, logits_at=at), donate_argnums=(1,))
+
+    def batch(tokens, start):
+        tok, st, ln = np.zeros((B, T), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+        slots = np.asarray([mgr.scratch_slot(i // Bg) for i in range(B)], np.int32)
+        table = np.zeros((B, pps), np.int32)
+        for i in range(rows):
+            tok[at[i], : len(tokens[i])] = tokens[i]
+            st[at[i]], ln[at[i]] = start[i], len(tokens[i])
+            slots[at[i]] = mgr.slot_of(i)
+            table[at[i]] = mgr.page_table_row(i, pps)
+        return make_batch(tok, st, ln, slots, table), np.maximum(ln - 1, 0)
+
+    out, pos, feed = [[] for _ in prompts], [0] * rows, [list(p) for p in prompts]
+    traced = step.trace(params, cache, *batch(feed, pos))
+    kernels = str(traced.jaxpr).count("pallas_call[")  # kernel call sites in the step (scan body once)
+    run = traced.lower().compile()
+    for _ in range(new_tokens):
+        logits, cache = run(params, cache, *batch(feed, pos))
+        logits = np.asarray(logits[:, 0], np.float32)
+        for i in range(rows):
+            out[i].append(int(logits[at[i]].argmax()))
+            pos[i] += len(feed[i])
+            feed[i] = [out[i][-1]]
+    return {"tokens": out, "last_logits": [logits[at[i]].tolist() for i in range(rows)], "groups": groups,
+            "kernel_calls": kernels}
+
+
+def ragged_gmm_error(recipe: str) -> float:
+    """``expert_ffn_ep`` with the ragged exchange and the MXFP4 kernel (``backend``
+    "pallas-interpret", weights repacked, layer 1 of a 2-layer stack read in place) against the
+    one-device reference; the collective is EMULATED (all_gather + scatter with
+    ``ragged_all_to_all``'s documented semantics), since XLA:CPU has no ragged-all-to-all."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from k3serve.kernels.moe import expert_ffn
+    from k3serve.kernels.moe_gmm import repack_experts
+    from k3serve.kernels.mxfp4 import quantize_mxfp4_np
+    from k3serve.sharding import ep as ep_mod
+    from k3serve.sharding.mesh import param_spec
+
+    E, k, I, K, N = 8, 2, 32, 32, 13
+    rng = np.random.default_rng(1)
+    act = lambda g, u: jax.nn.silu(g) * u  # noqa: E731
+    q = {n: [quantize_mxfp4_np((rng.normal(size=s) / np.sqrt(s[-1])).astype(np.float32)) for _ in range(2)]
+         for n, s in (("w1", (E, I, K)), ("w3", (E, I, K)), ("w2", (E, K, I)))}
+    x = rng.normal(size=(N, K)).astype(np.float32)
+    idx = np.argsort(-rng.normal(size=(N, E)), axis=1)[:, :k].astype(np.int32)
+    w = rng.uniform(0.2, 1.0, size=(N, k)).astype(np.float32)
+    want = np.asarray(expert_ffn(x, idx, w, q["w1"][1], q["w2"][1], q["w3"][1], act, E), np.float64)
     r = Recipe.parse(recipe)
-    m = load_pretrained(path, kernels=kernels)
-    eng = Engine(m, max_num_seqs=len(prompts), max_num_batched_tokens=16, chunk_size=8, page_size=4,
-                 max_model_len=32, warmup=False, recipe=recipe, devices=jax.devices()[: r.devices],
-                 enable_prefix_caching=False)
-    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True, logprobs=1)
-    rids = [eng.add_request(p, sp) for p in prompts]
-    done = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                done[o.rid] = o
-    eng.check_invariants()
-    return {"tokens": [done[i].token_ids for i in rids],
-            "logprobs": [[lp for lp, _ in done[i].logprobs] for i in rids], "steps": eng.num_steps}
+    mesh = build_mesh(r, jax.devices()[: r.devices])
+
+    def stack(name):  # [2, E, ...] packed (repacked) and scale, placed as the model's stacks
+        out = []
+        for part, arrs in (("packed", [repack_experts(a[0]) for a in q[name]]), ("scale", [a[1] for a in q[name]])):
+            a = np.stack(arrs)
+            spec = param_spec(f"ffn.1.block_sparse_moe.experts.{name}_{part}", a.shape, dict(mesh.shape))
+            out.append(jax.device_put(a, NamedSharding(mesh, PartitionSpec(*spec))))
+        return tuple(out)
+
+    def emulated(operand, output, in_off, send, out_off, recv, *, axis_name):
+        me = jax.lax.axis_index(axis_name)
+        ops = jax.lax.all_gather(operand, axis_name)
+        lo = jax.lax.all_gather(in_off, axis_name)[:, me][:, None]
+        sz = jax.lax.all_gather(send, axis_name)[:, me]
+        dst = jax.lax.all_gather(out_off, axis_name)[:, me][:, None]
+        rows = jnp.arange(operand.shape[0])[None, :]
+        ok = (rows >= lo) & (rows < lo + sz[:, None])
+        tgt = jnp.where(ok, dst + rows - lo, output.shape[0]).reshape(-1)
+        return output.at[tgt].set(ops.reshape(-1, *operand.shape[1:]), mode="drop")
+
+    ep_mod._ragged_all_to_all = emulated
+    try:
+        f = jax.jit(lambda x, i, w, w1, w2, w3: ep_mod.expert_ffn_ep(
+            x, i, w, w1, w2, w3, act, E, mesh=mesh, impl="ragged", layer=1, backend="pallas-interpret"))
+        got = np.asarray(f(x, idx, w, stack("w1"), stack("w2"), stack("w3")), np.float64)
+    finally:
+        ep_mod._ragged_all_to_all = jax.lax.ragged_all_to_all
+    return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 def main():
@@ -54,11 +155,13 @@ def main():
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 256, n).tolist() for n in spec["lengths"]]
     out, t0 = {}, time.perf_counter()
+    out["reference"] = greedy(load_pretrained(path, kernels="reference"), None, prompts, spec["new_tokens"])
+    pal = load_pretrained(path, kernels="pallas-interpret")
     for name, recipe in spec["recipes"].items():
-        for kernels in ("reference", "pallas-interpret"):
-            out[f"{name}:{kernels}"] = serve(path, kernels, recipe, prompts, spec["new_tokens"])
-            print(f"{time.perf_counter() - t0:.1f}s", name, kernels, out[f"{name}:{kernels}"], file=sys.stderr,
-                  flush=True)
+        out[name] = greedy(pal, recipe, prompts, spec["new_tokens"])
+        print(f"{time.perf_counter() - t0:.1f}s", name, out[name], file=sys.stderr, flush=True)
+    out["ragged_gmm_err"] = ragged_gmm_error(spec["ragged_recipe"])
+    print(f"{time.perf_counter() - t0:.1f}s ragged", out["ragged_gmm_err"], file=sys.stderr, flush=True)
     print(json.dumps(out))
 
 
