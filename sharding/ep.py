@@ -22,8 +22,9 @@ Algorithm, per device (EP rank ``r``, tp rank ``t``):
    one block of ``C`` rows per source rank (``[ep*C, K]`` receive buffer; block ``j`` row
    ``i`` = the ``i``-th pair rank ``j`` sends here).
 3. Local experts: the receiver groups its rows by local expert (same counting sort) and runs
-   ``jax.lax.ragged_dot``
-   against its ``E/ep`` experts (MXFP4 dequantized with ``kernels.mxfp4.unpack_mxfp4``):
+   ``jax.lax.ragged_dot`` against its ``E/ep`` experts (MXFP4 dequantized with
+   ``kernels.mxfp4.unpack_mxfp4``; with a Pallas backend and MXFP4 weights instead the MXFP4
+   grouped-matmul kernel, which decodes only the visited experts' tiles, ``_local_experts_gmm``):
    ``h = act(x W1ᵀ, x W3ᵀ)`` on its ``I/tp`` slice, ``all_gather`` of ``h`` over ``"tp"`` (w2
    is split over its output rows, so no partial sums arise: the result is the single-device
    arithmetic, only the expert's K columns are split), then ``y = h W2ᵀ`` on its ``K/tp`` columns.

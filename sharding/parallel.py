@@ -27,6 +27,12 @@
   next projection back to whole tokens (an all-gather) — only on steps with at least
   ``sp_min_rows`` tokens whose count divides by the SP size.
 
+With a Pallas kernel backend (``K3Config.kernels``) the model asks instead for
+``mla_write_attend_flat`` (the MLA kernel's write and attention per rank, DCP partials merged
+by their LSE), ``kda_layer_on_pools`` (the KDA kernels on each rank's slots and heads of the
+pools, in place) and ``expert_ffn(..., backend=...)`` (the MXFP4 grouped-matmul kernel per EP
+rank, ``sharding.ep``): docs/sharding.md, "Pallas kernels under a recipe".
+
 Everything else in the step runs under XLA's Auto partitioner with the parameter placement of
 ``sharding.mesh``.
 """
