@@ -21,7 +21,7 @@ from k3serve.checkpoints import load_pretrained
 from k3serve.checkpoints.synthetic import generate_checkpoint, k3_config
 from k3serve.model.cache import Cache, allocate_cache, make_batch
 from k3serve.server.engine.cache import CacheManager, plan_capacity
-from k3serve.sharding.mesh import build_mesh, shard_params
+from k3serve.sharding.mesh import build_mesh, placement_for, shard_params
 from k3serve.sharding.parallel import StepParallel
 from k3serve.sharding.recipe import Recipe
 
@@ -156,9 +156,14 @@ def main():
     prompts = [rng.integers(0, 256, n).tolist() for n in spec["lengths"]]
     out, t0 = {}, time.perf_counter()
     out["reference"] = greedy(load_pretrained(path, kernels="reference"), None, prompts, spec["new_tokens"])
-    pal = load_pretrained(path, kernels="pallas-interpret")
     for name, recipe in spec["recipes"].items():
-        out[name] = greedy(pal, recipe, prompts, spec["new_tokens"])
+        # loaded straight into the recipe's shards: the kernel's repack keeps each placement
+        r = Recipe.parse(recipe)
+        mesh = build_mesh(r, jax.devices()[: r.devices])
+        pal = load_pretrained(path, kernels="pallas-interpret", placement=placement_for(mesh))
+        leaves = jax.tree.leaves(pal.params)
+        kept = all(a is b for a, b in zip(leaves, jax.tree.leaves(shard_params(pal.params, mesh))))
+        out[name] = dict(greedy(pal, recipe, prompts, spec["new_tokens"]), placement_kept=kept)
         print(f"{time.perf_counter() - t0:.1f}s", name, out[name], file=sys.stderr, flush=True)
     out["ragged_gmm_err"] = ragged_gmm_error(spec["ragged_recipe"])
     print(f"{time.perf_counter() - t0:.1f}s ragged", out["ragged_gmm_err"], file=sys.stderr, flush=True)

@@ -4,7 +4,8 @@ one subprocess (body: ``_pallas_recipes_check.py``), every kernel interpreted.
 A 2-layer K3 (KDA + dense MLP, MLA + LatentMoE with MXFP4 experts; 8 KDA and MLA heads, 8
 experts) loaded with ``kernels="pallas-interpret"`` decodes greedily under two recipes and
 gives the one-device ``kernels="reference"`` tokens (a prefill of two prompts, then a decode
-step: both the prefill and the decode kernels), logits within 1e-4:
+step: both the prefill and the decode kernels), logits within 1e-4; the model is loaded
+straight into each recipe's shards and the experts' repack keeps every placement:
 
 * ``ep=4,tp=2,dcp=4``: EP + TP, MLA pages over 4 DCP ranks (each rank writes only its pages,
   attends over its own columns, partials merged by their LSE), KDA heads one per device, the
@@ -48,6 +49,7 @@ def test_pallas_under_recipe_matches_the_reference(runs, name):
     err = np.abs(a - b).max() / np.abs(b).max()
     assert err < 1e-4, (got, ref)
     assert ref["kernel_calls"] == 0 and got["kernel_calls"] == 6, got
+    assert got["placement_kept"], got  # a placed load repacked in its shards, not moved
     if "dp" in name:
         assert sorted(set(got["groups"])) == [0, 1], got  # both DP groups served a row
 
