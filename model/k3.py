@@ -266,8 +266,9 @@ class KimiLM(nnx.Module):
         L = plan.num_layers
         kda_of = np.array([kda_idx.get(l, 0) for l in range(L)], np.int32)
         mla_of = np.array([mla_idx.get(l, 0) for l in range(L)], np.int32)
-        if fused_kda:
-            carry.update(state_pool=cache.kda_state, conv_pool=cache.kda_conv)
+        if fused_kda:  # under a recipe the conv pool as the kernels read it per rank (par.kda_conv_local)
+            carry.update(state_pool=cache.kda_state, conv_pool=cache.kda_conv if par is None else
+                         par.kda_conv_local(cache.kda_conv, cfg.kda_num_heads))
         elif kda_idx:
             NS = fb.snap_slot.shape[0]
             carry.update(conv=conv_rows, state=state_rows,
@@ -416,6 +417,8 @@ class KimiLM(nnx.Module):
         kda_state, kda_conv = cache.kda_state, cache.kda_conv
         if fused_kda:
             kda_state, kda_conv = carry["state_pool"], carry["conv_pool"]
+            if par is not None:
+                kda_conv = par.kda_conv_merge(cache.kda_conv, kda_conv, fb, cfg.kda_num_heads)
         elif kda_idx:
             conv_out, state_out, snap_conv, snap_state = (carry[n] for n in kda_keys)
             put = (lambda pool, s, v: pool.at[:, s].set(v, mode="drop")) if par is None else par.put_slots

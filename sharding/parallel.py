@@ -250,68 +250,91 @@ class StepParallel:
         return fn(q_lat, q_rope, rows, kv_pool, fb.page_table, tok_row, fb.pos, fb.kv_lens, fb.cu_q_lens, q_lens,
                   jnp.asarray(layer, jnp.int32))
 
+    def _kda_split(self, kda_heads: int) -> bool:
+        """Whether the KDA heads are split over the attention group (``_state_heads``)."""
+        return self._state_heads(kda_heads) is not None and self.recipe.attn_group > 1
+
+    def _group_slots(self, S: int, slot):
+        """Global slot ids -> this DP group's block of ``S`` slots; others out of range (``S``)."""
+        base = jax.lax.axis_index("dp") * S if self.dp > 1 else 0
+        lid = slot - base
+        return jnp.where((lid >= 0) & (lid < S), lid, S)
+
+    def kda_conv_local(self, conv_pool, kda_heads: int):
+        """The conv pool as the KDA kernels read it under this recipe, for one step: with the
+        heads split over the attention group, a copy whose rank-``j`` block along the channels
+        holds only rank ``j``'s heads (``q_j | k_j | v_j``, the kernels' layout), placed
+        ``P(None, "dp", None, ATTN)``; else the pool itself. The cache keeps whole channels on
+        every rank of a group (``_slot_spec``), while a rank's heads are three separate channel
+        ranges; a cache laid out by head would make this copy (``1/group`` of the pool per
+        device and step) unnecessary. :meth:`kda_conv_merge` writes the step's windows back."""
+        if not self._kda_split(kda_heads):
+            return conv_pool
+        G = self.recipe.attn_group
+        L, _, Wm1, C = conv_pool.shape
+        Pw = C // 3
+
+        def local(conv):
+            r = _flat_index(ATTN, self.sizes)
+            v = conv.reshape(L, conv.shape[1], Wm1, 3, G, Pw // G)
+            return jax.lax.dynamic_index_in_dim(v, r, 4, keepdims=False).reshape(L, conv.shape[1], Wm1, 3 * Pw // G)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=self._slot_spec(conv_pool),
+                             out_specs=P(None, self.rows_axis, None, ATTN), check_vma=False)(conv_pool)
+
+    def kda_conv_merge(self, conv_pool, local_pool, fb, kda_heads: int):
+        """The windows the kernels wrote into :meth:`kda_conv_local`'s copy (the step's write
+        slots and snapshot slots, every layer; any other slot of the set is unchanged there)
+        all-gathered over the attention group and written into the whole-channel pool."""
+        if not self._kda_split(kda_heads):
+            return local_pool
+        spec = self._slot_spec(conv_pool)
+        d = P(self.rows_axis)
+
+        def local(conv, mine, write_slot, snap_slot):
+            S = conv.shape[1]
+            at = jnp.concatenate([self._group_slots(S, write_slot), self._group_slots(S, snap_slot)])
+            L, _, Wm1, Cl = mine.shape
+            got = mine[:, jnp.clip(at, 0, S - 1)].reshape(L, -1, Wm1, 3, Cl // 3)
+            got = jax.lax.all_gather(got, ATTN, axis=4, tiled=True).reshape(L, -1, Wm1, conv.shape[3])
+            return conv.at[:, at].set(got.astype(conv.dtype), mode="drop")
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, P(None, self.rows_axis, None, ATTN), d, d),
+                             out_specs=spec, check_vma=False)(conv_pool, local_pool, fb.write_slot, fb.snap_slot)
+
     def kda_layer_on_pools(self, qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool,
                            layer, fb, q_lens, *, lower_bound, eps, backend: str):
         """``ops.kda_layer_on_pools`` (the KDA kernels on the pools in place) per rank: each DP
         group on its own slots (slot ids made local to the group's block; others' dropped), each
-        rank of the group on its heads of the state pool (``_slot_spec``: heads over ``ATTN``).
-        Returns ``(o [T, H, d], state_pool, conv_pool)`` in the pools' layouts.
-
-        The conv pool keeps whole channels on every rank of a group (``q|k|v``, each ``H*d``:
-        a rank's heads are three separate channel ranges), while the kernels want the channels
-        of the heads they run. With the heads split, a rank hands the kernels a copy of the
-        layer's window pool holding its channels only, then writes the windows the kernels
-        wrote (the rows' write slots and snapshot slots) back into the whole pool after an
-        all-gather of those rows over the group. The copy is ``slots * (W-1) * 3P / group``
-        floats per layer and device; a conv pool split by head (a layout change of the cache)
-        would save it."""
+        rank of the group on its heads of the state pool (``_slot_spec``: heads over ``ATTN``)
+        and of ``conv_pool`` -- :meth:`kda_conv_local`'s pool, whose rank blocks hold the
+        rank's heads' channels. Returns ``(o [T, H, d], state_pool, conv_pool)`` in the pools'
+        layouts."""
         from ..kernels import ops
         from ..model.step import local_rows
 
         T, H = beta.shape
         Pw = f.shape[-1]
         W = conv_w.shape[-1]
-        hax = self._state_heads(H)
-        split = hax is not None and self.recipe.attn_group > 1
+        split = self._kda_split(H)
+        h = ATTN if split else None
         ax = self.rows_axis
-        st_spec, cv_spec = self._slot_spec(state_pool), self._slot_spec(conv_pool)
-        h = hax if split else None
+        st_spec = self._slot_spec(state_pool)
+        cv_spec = P(None, ax, None, h)
         d = P(ax)
         in_specs = (P(ax, None, h), P(ax, h), P(ax, h), P(ax, h), P(None, h, None), P(h), P(h), P(), st_spec, cv_spec,
                     P(), d, d, d, d, d, d, d, d, d, d)
-        sizes = self.sizes
 
         def local(qkv3, f, beta, gate_out, conv_w3, A_log, dt_bias, o_norm, state, conv, layer, tok_row, cu, q_lens,
                   start_pos, read_slot, write_slot, fresh, snap_row, snap_len, snap_slot):
             R, S = q_lens.shape[0], state.shape[1]
             base = jax.lax.axis_index("dp") * S if self.dp > 1 else 0
-
-            def mine(slot):  # a global slot id -> this group's block, out of range (S) if not in it
-                lid = slot - base
-                return jnp.where((lid >= 0) & (lid < S), lid, S)
-
-            read = jnp.clip(read_slot - base, 0, S - 1)
-            write, snap = mine(write_slot), mine(snap_slot)
             Tl, Pl = f.shape
-            qkv = qkv3.reshape(Tl, 3 * Pl)
-            cw = conv_w3.reshape(3 * Pl, W)
-            rows = (local_rows(tok_row, R), cu, q_lens, start_pos, read, write, fresh, local_rows(snap_row, R),
-                    snap_len, snap)
-            kw = dict(lower_bound=lower_bound, eps=eps, backend=backend)
-            if not split:
-                return ops.kda_layer_on_pools(qkv, f, beta, gate_out, cw, A_log, dt_bias, o_norm, state, conv, layer,
-                                              *rows, **kw)
-            Wm1 = conv.shape[2]
-            r = _flat_index(ATTN, sizes)
-            view = jax.lax.dynamic_index_in_dim(conv, layer, 0, keepdims=False).reshape(S, Wm1, 3, Pw)
-            mine_ch = jax.lax.dynamic_slice_in_dim(view, r * Pl, Pl, axis=3).reshape(1, S, Wm1, 3 * Pl)
-            o, state, mine_ch = ops.kda_layer_on_pools(qkv, f, beta, gate_out, cw, A_log, dt_bias, o_norm, state,
-                                                       mine_ch, 0, *rows, **kw)
-            at = jnp.concatenate([write, snap])  # the slots the kernels may have written
-            got = mine_ch[0, jnp.clip(at, 0, S - 1)].reshape(-1, Wm1, 3, Pl)
-            got = jax.lax.all_gather(got, ATTN, axis=3, tiled=True).reshape(-1, Wm1, 3 * Pw)
-            conv = conv.at[layer, at].set(got.astype(conv.dtype), mode="drop")
-            return o, state, conv
+            return ops.kda_layer_on_pools(
+                qkv3.reshape(Tl, 3 * Pl), f, beta, gate_out, conv_w3.reshape(3 * Pl, W), A_log, dt_bias, o_norm, state,
+                conv, layer, local_rows(tok_row, R), cu, q_lens, start_pos, jnp.clip(read_slot - base, 0, S - 1),
+                self._group_slots(S, write_slot), fresh, local_rows(snap_row, R), snap_len,
+                self._group_slots(S, snap_slot), lower_bound=lower_bound, eps=eps, backend=backend)
 
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=in_specs,
                            out_specs=(P(ax, h, None), st_spec, cv_spec), check_vma=False)

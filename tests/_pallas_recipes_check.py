@@ -29,9 +29,10 @@ PAGE = 4
 
 
 def checkpoint(root: str) -> str:
-    """A 2-layer K3 (KDA + dense MLP, MLA + LatentMoE with MXFP4 experts) with 8 KDA and MLA
-    heads and 8 experts: heads split over every attention group of 8 devices."""
-    cfg = k3_config(vocab_size=256, hidden_size=64, num_hidden_layers=2, full_attn_layers=[2], kda_num_heads=8,
+    """A 3-layer K3 (two KDA layers: the pools' layer index matters; an MLA layer; MXFP4
+    LatentMoE experts) with 8 KDA and MLA heads and 8 experts: heads split over every
+    attention group of 8 devices."""
+    cfg = k3_config(vocab_size=256, hidden_size=64, num_hidden_layers=3, full_attn_layers=[3], kda_num_heads=8,
                     kda_head_dim=16, mla_heads=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
                     qk_rope_head_dim=8, v_head_dim=8, num_experts=8, num_experts_per_token=2,
                     num_shared_experts=1, moe_intermediate_size=32, routed_expert_hidden_size=32,
@@ -149,6 +150,75 @@ def ragged_gmm_error(recipe: str) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
+def kda_pools_error(recipe: str) -> float:
+    """``StepParallel.kda_layer_on_pools`` between ``kda_conv_local`` and ``kda_conv_merge``
+    (dp=2, heads split) on 2-layer pools, with a prefix hit (read slot != write slot), a fresh
+    row and snapshots taken by a prefill row (after 2 of its 3 tokens) and by a decode row,
+    against ``ops.kda_layer_on_pools`` on one device, group by group: the largest relative
+    error of the outputs and both pools."""
+    import types
+
+    import jax.numpy as jnp
+
+    from k3serve.kernels import ops
+    from k3serve.model.step import local_rows
+
+    H, d, W, L = 8, 16, 4, 2
+    P = H * d
+    Tg, Rg, Sg, NSg = 8, 2, 6, 2  # per DP group: tokens, rows, slots, snapshot entries
+    T, S = 2 * Tg, 2 * Sg
+    rng = np.random.default_rng(0)
+    f32 = np.float32
+    x = dict(qkv=rng.normal(size=(T, 3 * P)).astype(f32), f=rng.normal(size=(T, P)).astype(f32),
+             beta=(1 / (1 + np.exp(-rng.normal(size=(T, H))))).astype(f32), gate=rng.normal(size=(T, P)).astype(f32))
+    cw = (0.5 * rng.normal(size=(3 * P, W))).astype(f32)
+    A_log, dt_bias = rng.normal(size=(H,)).astype(f32), rng.normal(size=(P,)).astype(f32)
+    o_norm = (1 + 0.1 * rng.normal(size=(d,))).astype(f32)
+    state = (0.1 * rng.normal(size=(L, S, H, d, d))).astype(f32)
+    conv = rng.normal(size=(L, S, W - 1, 3 * P)).astype(f32)
+    # group 0: row0 3 tokens (snapshot after 2 -> slot 2), row1 1 token (snapshot len 1 -> slot 3)
+    # group 1: row0 1 token read 6 write 7, row1 4 tokens fresh, read/write 8; no snapshots
+    q_lens = np.array([3, 1, 1, 4], np.int32)
+    tok_row = np.array([0, 0, 0, 1] + [-1] * 4 + [0, 1, 1, 1, 1] + [-1] * 3, np.int32)
+    cu = np.array([0, 3, 4, 0, 1, 5], np.int32)
+    start = np.array([5, 7, 9, 0], np.int32)
+    read, write = np.array([0, 1, 6, 8], np.int32), np.array([0, 1, 7, 8], np.int32)
+    fresh = np.array([False, False, False, True])
+    snap_row, snap_len = np.array([0, 1, -1, -1], np.int32), np.array([2, 1, 0, 0], np.int32)
+    snap_slot = np.array([2, 3, S, S], np.int32)
+    layer = 1
+    kw = dict(lower_bound=-5.0, eps=1e-5, backend="pallas-interpret")
+
+    # one device, group by group
+    st, cv, outs = jnp.asarray(state), jnp.asarray(conv), []
+    for g in range(2):
+        tk, rw, sn = slice(g * Tg, (g + 1) * Tg), slice(g * Rg, (g + 1) * Rg), slice(g * NSg, (g + 1) * NSg)
+        o, st, cv = ops.kda_layer_on_pools(
+            x["qkv"][tk], x["f"][tk], x["beta"][tk], x["gate"][tk], cw, A_log, dt_bias, o_norm, st, cv, layer,
+            local_rows(jnp.asarray(tok_row[tk]), Rg), cu[g * (Rg + 1):(g + 1) * (Rg + 1)], q_lens[rw], start[rw],
+            read[rw], write[rw], fresh[rw], local_rows(jnp.asarray(snap_row[sn]), Rg), snap_len[sn], snap_slot[sn],
+            **kw)
+        outs.append(o)
+    want_o, want_st, want_cv = np.concatenate(outs), np.asarray(st), np.asarray(cv)
+
+    r = Recipe.parse(recipe)
+    mesh = build_mesh(r, jax.devices()[:8])
+    par = StepParallel(r, mesh)
+    sh = par.cache_shardings(H)
+    fb = types.SimpleNamespace(tok_row=tok_row, cu_q_lens=cu, start_pos=start, read_slot=read, write_slot=write,
+                               fresh=fresh, snap_row=snap_row, snap_len=snap_len, snap_slot=snap_slot)
+
+    def g(st, cv):
+        loc = par.kda_conv_local(cv, H)
+        o, st, loc = par.kda_layer_on_pools(x["qkv"], x["f"], x["beta"], x["gate"], cw, A_log, dt_bias, o_norm,
+                                            st, loc, layer, fb, jnp.asarray(q_lens), **kw)
+        return o, st, par.kda_conv_merge(cv, loc, fb, H)
+
+    o, st2, cv2 = jax.jit(g)(jax.device_put(state, sh["kda_state"]), jax.device_put(conv, sh["kda_conv"]))
+    rel = lambda a, b: float(np.abs(np.asarray(a) - b).max() / np.abs(b).max())  # noqa: E731
+    return max(rel(o, want_o), rel(st2, want_st), rel(cv2, want_cv))
+
+
 def main():
     root, spec = sys.argv[1], json.loads(sys.argv[2])
     path = checkpoint(root)
@@ -166,6 +236,7 @@ def main():
         out[name] = dict(greedy(pal, recipe, prompts, spec["new_tokens"]), placement_kept=kept)
         print(f"{time.perf_counter() - t0:.1f}s", name, out[name], file=sys.stderr, flush=True)
     out["ragged_gmm_err"] = ragged_gmm_error(spec["ragged_recipe"])
+    out["kda_pools_err"] = kda_pools_error(spec["ragged_recipe"])
     print(f"{time.perf_counter() - t0:.1f}s ragged", out["ragged_gmm_err"], file=sys.stderr, flush=True)
     print(json.dumps(out))
 

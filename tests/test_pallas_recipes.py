@@ -1,8 +1,8 @@
 """The Pallas kernel backend under sharding recipes (issue #33), on 8 CPU virtual devices in
 one subprocess (body: ``_pallas_recipes_check.py``), every kernel interpreted.
 
-A 2-layer K3 (KDA + dense MLP, MLA + LatentMoE with MXFP4 experts; 8 KDA and MLA heads, 8
-experts) loaded with ``kernels="pallas-interpret"`` decodes greedily under two recipes and
+A 3-layer K3 (two KDA layers, an MLA layer, LatentMoE with MXFP4 experts; 8 KDA and MLA
+heads, 8 experts) loaded with ``kernels="pallas-interpret"`` decodes greedily under two recipes and
 gives the one-device ``kernels="reference"`` tokens (a prefill of two prompts, then a decode
 step: both the prefill and the decode kernels), logits within 1e-4; the model is loaded
 straight into each recipe's shards and the experts' repack keeps every placement:
@@ -17,7 +17,10 @@ The step's jaxpr holds the six kernel call sites of the scan body (MLA write and
 decode and prefill, the gate/up and down grouped matmuls): the kernels ran, not the
 references. Then the ragged exchange: ``expert_ffn_ep(impl="ragged")`` with the kernel on
 layer 1 of a repacked stack equals the one-device reference (the collective emulated: XLA:CPU
-has none)."""
+has none). And the KDA kernels per rank on 2-layer pools under dp=2 with split heads, a prefix
+hit (read slot != write slot), a fresh row and snapshots from a prefill and a decode row equal
+the one-device kernels group by group (the conv windows go through the per-rank copy of the
+conv pool and back)."""
 from __future__ import annotations
 
 import json
@@ -56,3 +59,7 @@ def test_pallas_under_recipe_matches_the_reference(runs, name):
 
 def test_ragged_exchange_with_the_gmm_kernel(runs):
     assert runs["ragged_gmm_err"] < 1e-5, runs["ragged_gmm_err"]
+
+
+def test_kda_pools_per_rank_with_snapshots(runs):
+    assert runs["kda_pools_err"] < 1e-5, runs["kda_pools_err"]
