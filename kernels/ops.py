@@ -32,24 +32,28 @@ def _interpret(backend: str):
 
 
 def mla_write_attend(q_lat, q_rope, rows, kv_pool, layer, page_table, tok_row, pos, kv_lens, cu_q_lens, q_lens,
-                     scale, latent_dim, *, backend: str = "reference"):
+                     scale, latent_dim, *, backend: str = "reference", page_ordinals=None, return_lse: bool = False):
     """One MLA layer on a flattened step: write the step's latent ``rows [T, W]`` into layer
     ``layer`` of the stacked pool, then ragged paged attention of ``q_lat``/``q_rope`` over it
     (arguments as :func:`kernels.mla_ragged.mla_ragged_attention`; ``tok_row`` outside ``[0,
-    R)`` is padding). Returns ``(out_lat [T, H, latent_dim] float32, kv_pool)``. ``backend``
-    "reference": :func:`write_kv_rows` then :func:`mla_ragged_attention`; "pallas" /
-    "pallas-interpret": the rows by XLA's in-place scatter, then the kernel reads the pool (no
-    whole-pool copy when the pool is donated and its layout row-major: see
+    R)`` is padding). Returns ``(out_lat [T, H, latent_dim] float32, kv_pool)``, or ``(out_lat,
+    lse [T, H], kv_pool)`` with ``return_lse`` (what a decode-context-parallel rank's partial
+    needs for the exact merge, ``sharding.parallel``). ``rows`` None writes nothing;
+    ``page_ordinals`` (None, ``[P]`` or ``[R, P]``): which page of its sequence each table
+    column is. ``backend`` "reference": :func:`write_kv_rows` then :func:`mla_ragged_attention`;
+    "pallas" / "pallas-interpret": the rows by XLA's in-place scatter, then the kernel reads the
+    pool (no whole-pool copy when the pool is donated and its layout row-major: see
     ``kernels/mla_ragged_kernel.py``)."""
     if backend == "reference":
-        kv_pool = write_kv_rows(kv_pool, rows, page_table, tok_row, pos, layer=layer)
+        if rows is not None:
+            kv_pool = write_kv_rows(kv_pool, rows, page_table, tok_row, pos, layer=layer)
         out = mla_ragged_attention(q_lat, q_rope, kv_pool, page_table, tok_row, pos, kv_lens, cu_q_lens, q_lens,
-                                   scale, latent_dim, layer=layer)
-        return out, kv_pool
-    out, _, kv_pool = mla_ragged_attention_kernel(q_lat, q_rope, rows, kv_pool, layer, page_table, tok_row, pos,
-                                                  kv_lens, cu_q_lens, q_lens, scale, latent_dim,
-                                                  interpret=_interpret(backend))
-    return out, kv_pool
+                                   scale, latent_dim, layer=layer, page_ordinals=page_ordinals, return_lse=True)
+        return (*out, kv_pool) if return_lse else (out[0], kv_pool)
+    out, lse, kv_pool = mla_ragged_attention_kernel(q_lat, q_rope, rows, kv_pool, layer, page_table, tok_row, pos,
+                                                    kv_lens, cu_q_lens, q_lens, scale, latent_dim,
+                                                    page_ordinals=page_ordinals, interpret=_interpret(backend))
+    return (out, lse, kv_pool) if return_lse else (out, kv_pool)
 
 
 def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool, layer,

@@ -249,8 +249,9 @@ class KimiLM(nnx.Module):
         take = (lambda pool, s: pool[:, s]) if par is None else par.take_slots
         # a Pallas backend runs each KDA layer's core on the pools in place, outside the
         # switches (``ops.kda_layer_on_pools``): nothing is gathered before the stack or
-        # scattered after it. Sharded steps keep the reference path (sharding.parallel).
-        fused_kda = bool(kda_idx) and par is None and cfg.kernels != "reference"
+        # scattered after it. Under a recipe it runs per rank on the rank's slots and heads
+        # (``StepParallel.kda_layer_on_pools``).
+        fused_kda = bool(kda_idx) and cfg.kernels != "reference"
         if kda_idx and not fused_kda:
             conv_rows = jnp.where(fb.fresh[None, :, None, None], 0.0, take(cache.kda_conv, fb.read_slot))
             state_rows = jnp.where(fb.fresh[None, :, None, None, None], 0.0, take(cache.kda_state, fb.read_slot))
@@ -265,8 +266,9 @@ class KimiLM(nnx.Module):
         L = plan.num_layers
         kda_of = np.array([kda_idx.get(l, 0) for l in range(L)], np.int32)
         mla_of = np.array([mla_idx.get(l, 0) for l in range(L)], np.int32)
-        if fused_kda:
-            carry.update(state_pool=cache.kda_state, conv_pool=cache.kda_conv)
+        if fused_kda:  # under a recipe the conv pool as the kernels read it per rank (par.kda_conv_local)
+            carry.update(state_pool=cache.kda_state, conv_pool=cache.kda_conv if par is None else
+                         par.kda_conv_local(cache.kda_conv, cfg.kda_num_heads))
         elif kda_idx:
             NS = fb.snap_slot.shape[0]
             carry.update(conv=conv_rows, state=state_rows,
@@ -300,8 +302,9 @@ class KimiLM(nnx.Module):
 
         # a Pallas backend writes the MLA rows and attends in one kernel, outside the switches
         # (the pool aliased in place); the MLA branch then also returns the layer's queries.
-        # Sharded steps keep the reference path (sharding.parallel).
-        fused_mla = bool(n_mla) and ctx.par is None and cfg.kernels != "reference"
+        # Under a recipe it runs per rank on the rank's pages, DCP partials merged by their LSE
+        # (``StepParallel.mla_write_attend_flat``).
+        fused_mla = bool(n_mla) and cfg.kernels != "reference"
         H_mla, Lr, Rr = cfg.mla_num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
 
         def half_in(a, st, conv, state, row, aux=None, pad=False):
@@ -326,9 +329,9 @@ class KimiLM(nnx.Module):
         def attn_out(a, t, kv, row, mla_j, out_lat=None, o_kda=None):
             layer = attn_at(a, row)
             if out_lat is not None and layer.kind == "mla":  # attended by the fused kernel
-                return layer.self_attn.project_out(t, out_lat).astype(t.dtype)
+                return ctx.scatter(layer.self_attn.project_out(t, out_lat)).astype(t.dtype)
             if o_kda is not None and layer.kind == "kda":  # the core ran on the pools
-                return layer.self_attn.o_proj(o_kda.reshape(T, -1).astype(t.dtype)).astype(t.dtype)
+                return ctx.scatter(layer.self_attn.o_proj(o_kda.reshape(T, -1).astype(t.dtype))).astype(t.dtype)
             return _attn_out(layer, t, kv, mla_j, ctx)
 
         def ffn(f, out, st, row, aux=None):
@@ -360,11 +363,15 @@ class KimiLM(nnx.Module):
             o_kda = None
             if fused_kda and (is_kda is not False):  # a non-KDA layer's rows have no tokens
                 q_lens = fb.q_lens if is_kda is True else jnp.where(is_kda, fb.q_lens, 0)
-                o_kda, carry["state_pool"], carry["conv_pool"] = ops.kda_layer_on_pools(
-                    *new, carry["state_pool"], carry["conv_pool"], kda_j, local_rows(fb.tok_row, fb.num_rows),
-                    fb.cu_q_lens, q_lens, fb.start_pos, fb.read_slot, fb.write_slot, fb.fresh,
-                    local_rows(fb.snap_row, fb.num_rows), fb.snap_len, fb.snap_slot,
-                    lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps, backend=cfg.kernels)
+                kw = dict(lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps, backend=cfg.kernels)
+                if ctx.par is not None:
+                    o_kda, carry["state_pool"], carry["conv_pool"] = ctx.par.kda_layer_on_pools(
+                        *new, carry["state_pool"], carry["conv_pool"], kda_j, fb, q_lens, **kw)
+                else:
+                    o_kda, carry["state_pool"], carry["conv_pool"] = ops.kda_layer_on_pools(
+                        *new, carry["state_pool"], carry["conv_pool"], kda_j, local_rows(fb.tok_row, fb.num_rows),
+                        fb.cu_q_lens, q_lens, fb.start_pos, fb.read_slot, fb.write_slot, fb.fresh,
+                        local_rows(fb.snap_row, fb.num_rows), fb.snap_len, fb.snap_slot, **kw)
             elif n_kda and (is_kda is not False):  # a non-KDA layer's zeros go to a dropped index
                 at = kda_j if is_kda is True else jnp.where(is_kda, kda_j, n_kda)
                 for n, v in zip(kda_keys, new):
@@ -372,7 +379,12 @@ class KimiLM(nnx.Module):
             out_lat = None
             if n_mla and (is_mla is not False):  # a non-MLA layer writes no rows
                 wfb = fb if is_mla is True else dataclasses.replace(fb, tok_row=jnp.where(is_mla, fb.tok_row, -1))
-                if fused_mla:  # and attends nowhere: its rows have no tokens
+                if fused_mla and ctx.par is not None:  # per rank, on the rank's pages
+                    q_lens = fb.q_lens if is_mla is True else jnp.where(is_mla, fb.q_lens, 0)
+                    out_lat, carry["kv"] = ctx.par.mla_write_attend_flat(
+                        *q, lat, carry["kv"], mla_j, fb, wfb.tok_row, q_lens, cfg.qk_head_dim ** -0.5, Lr,
+                        backend=cfg.kernels)
+                elif fused_mla:  # and attends nowhere: its rows have no tokens
                     q_lens = fb.q_lens if is_mla is True else jnp.where(is_mla, fb.q_lens, 0)
                     out_lat, carry["kv"] = ops.mla_write_attend(
                         *q, lat, carry["kv"], mla_j, fb.page_table, local_rows(wfb.tok_row, fb.num_rows), fb.pos,
@@ -405,6 +417,8 @@ class KimiLM(nnx.Module):
         kda_state, kda_conv = cache.kda_state, cache.kda_conv
         if fused_kda:
             kda_state, kda_conv = carry["state_pool"], carry["conv_pool"]
+            if par is not None:
+                kda_conv = par.kda_conv_merge(cache.kda_conv, kda_conv, fb, cfg.kda_num_heads)
         elif kda_idx:
             conv_out, state_out, snap_conv, snap_state = (carry[n] for n in kda_keys)
             put = (lambda pool, s, v: pool.at[:, s].set(v, mode="drop")) if par is None else par.put_slots

@@ -93,11 +93,10 @@ class MoE(nnx.Module):
         if cfg.latent_moe and par is not None:
             z = par.latent_down(z)
         compute = jnp.float32 if x.dtype == jnp.float32 else x.dtype
-        ffn = ops.expert_ffn if par is None else par.expert_ffn
-        kw = {} if par is not None else {"backend": cfg.kernels}  # the EP path keeps the reference
+        ffn = ops.expert_ffn if par is None else par.expert_ffn  # par: per EP rank (sharding.ep)
         r = ffn(z, idx, w, self.experts.weight("w1"), self.experts.weight("w2"), self.experts.weight("w3"), self.act,
                 cfg.num_experts, compute, valid=None if valid is None else valid.reshape(-1),
-                layer=group, **kw).astype(x.dtype)
+                layer=group, backend=cfg.kernels).astype(x.dtype)
         if cfg.latent_moe:
             if cfg.latent_moe_use_norm:
                 r = self.routed_expert_norm(r)

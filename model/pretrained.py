@@ -128,7 +128,11 @@ def default_kernels() -> str:
 
 def repack_experts_for_kernels(module) -> None:
     """MXFP4 experts in the grouped-matmul kernel's stored layout (lossless, once): bytes in
-    its nibble order, scales padded to 128 columns (``kernels.moe_gmm.repack_experts``)."""
+    its nibble order, scales padded to 128 columns (``kernels.moe_gmm.repack_experts``).
+
+    A placed load (a recipe's shards) is repacked shard by shard in its own sharding: the
+    repack permutes bytes within the last dim and pads the scales' last dim, which no recipe
+    splits, so each device rewrites only its block and nothing is gathered or moved."""
     from ..kernels.ops import repack_experts
     from .moe import Experts
 
@@ -136,6 +140,11 @@ def repack_experts_for_kernels(module) -> None:
         if isinstance(node, Experts) and node.mxfp4:
             for name in ("w1", "w2", "w3"):
                 pv, sv = getattr(node, name + "_packed"), getattr(node, name + "_scale")
-                packed, scale = repack_experts(pv.get_value(), sv.get_value())
-                pv.set_value(packed)
-                sv.set_value(scale)
+                p, sc = pv.get_value(), sv.get_value()
+                shardings = tuple(getattr(x, "sharding", None) for x in (p, sc))
+                if isinstance(p, jax.Array) and None not in shardings:
+                    p, sc = jax.jit(repack_experts, out_shardings=shardings)(p, sc)
+                else:
+                    p, sc = repack_experts(p, sc)
+                pv.set_value(p)
+                sv.set_value(sc)

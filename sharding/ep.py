@@ -22,8 +22,9 @@ Algorithm, per device (EP rank ``r``, tp rank ``t``):
    one block of ``C`` rows per source rank (``[ep*C, K]`` receive buffer; block ``j`` row
    ``i`` = the ``i``-th pair rank ``j`` sends here).
 3. Local experts: the receiver groups its rows by local expert (same counting sort) and runs
-   ``jax.lax.ragged_dot``
-   against its ``E/ep`` experts (MXFP4 dequantized with ``kernels.mxfp4.unpack_mxfp4``):
+   ``jax.lax.ragged_dot`` against its ``E/ep`` experts (MXFP4 dequantized with
+   ``kernels.mxfp4.unpack_mxfp4``; with a Pallas backend and MXFP4 weights instead the MXFP4
+   grouped-matmul kernel, which decodes only the visited experts' tiles, ``_local_experts_gmm``):
    ``h = act(x W1ᵀ, x W3ᵀ)`` on its ``I/tp`` slice, ``all_gather`` of ``h`` over ``"tp"`` (w2
    is split over its output rows, so no partial sums arise: the result is the single-device
    arithmetic, only the expert's K columns are split), then ``y = h W2ᵀ`` on its ``K/tp`` columns.
@@ -79,17 +80,21 @@ def _is_pair(w) -> bool:
     return isinstance(w, (tuple, list))
 
 
-def _shape(w) -> tuple:
-    """Logical [E, out, in] of a dense weight or an MXFP4 (packed, scale) pair."""
-    return (*w[0].shape[:2], w[0].shape[2] * 2) if _is_pair(w) else tuple(w.shape)
+def _shape(w, stacked: bool = False) -> tuple:
+    """Logical [E, out, in] of a dense weight or an MXFP4 (packed, scale) pair (``stacked``:
+    behind a leading layer axis)."""
+    s = 1 if stacked else 0
+    return (*w[0].shape[s:s + 2], w[0].shape[s + 2] * 2) if _is_pair(w) else tuple(w.shape[s:])
 
 
-def _weight_specs(name: str, w, mesh_shape: dict) -> list:
-    """The param_spec entries of this expert weight's arrays (two for an MXFP4 pair)."""
+def _weight_specs(name: str, w, mesh_shape: dict, stacked: bool = False) -> list:
+    """The param_spec entries of this expert weight's arrays (two for an MXFP4 pair), without
+    the layer axis of a stack."""
+    s = 1 if stacked else 0
     if _is_pair(w):
-        return [param_spec(_EXPERT_PATH + f"{name}_{part}", tuple(a.shape), mesh_shape)
+        return [param_spec(_EXPERT_PATH + f"{name}_{part}", tuple(a.shape[s:]), mesh_shape)
                 for part, a in zip(("packed", "scale"), w)]
-    return [param_spec(_EXPERT_PATH + name, tuple(w.shape), mesh_shape)]
+    return [param_spec(_EXPERT_PATH + name, tuple(w.shape[s:]), mesh_shape)]
 
 
 def _local_dense(w, dtype):
@@ -108,28 +113,33 @@ def resolve_impl(impl: str, mesh) -> str:
 
 
 def expert_ffn_ep(x, topk_idx, topk_w, w1, w2, w3, act, num_experts: int, compute_dtype=jnp.float32, *,
-                  mesh, impl: str = "auto", valid=None, layer=None):
+                  mesh, impl: str = "auto", valid=None, layer=None, backend: str = "reference"):
     """Expert-parallel ``expert_ffn``: x [N, K]; topk_idx/topk_w [N, k]; w1/w3 [E, I, K] and
     w2 [E, K, I] (dense or MXFP4 pairs) placed by ``param_spec`` on ``mesh`` (a
     ``build_mesh`` mesh). Call it under ``jax.jit`` with global arrays. Returns float32
     [N, K], replicated over the mesh. ``impl``: "padded", "ragged" or "auto" (module doc).
     ``valid`` (bool [N], optional): tokens where it is False are treated like the padding
     tokens (expert id -1: never dispatched) and come out zero. ``layer``: the weights are layer
-    stacks ``[L, E, ...]`` (scanned layers); this layer's slice is taken (on accelerators the
-    grouped-matmul kernel should read the stack in place instead)."""
-    if layer is not None:
+    stacks ``[L, E, ...]`` (scanned layers). ``backend`` "pallas" / "pallas-interpret" with MXFP4
+    weights (repacked at load, ``kernels.moe_gmm.repack_experts``): each rank's local experts
+    run through the MXFP4 grouped-matmul kernel (``_local_experts_gmm``), which reads the
+    whole stack in place with the layer as an index; otherwise this layer's slice is taken
+    and the experts are dequantized for ``ragged_dot``."""
+    gmm = backend != "reference" and _is_pair(w1)
+    stacked = layer is not None and gmm  # the kernel indexes the stack: no per-layer slice
+    if layer is not None and not gmm:
         w1, w2, w3 = (tuple(a[layer] for a in w) if _is_pair(w) else w[layer] for w in (w1, w2, w3))
     impl = resolve_impl(impl, mesh)
     mshape = dict(mesh.shape)
     ep = int(np.prod([mshape[a] for a in EXPERTS]))
     N, K = x.shape
     k = topk_idx.shape[1]
-    E, I, K1 = _shape(w1)
-    if E != num_experts or K1 != K or _shape(w3) != (E, I, K) or _shape(w2) != (E, K, I):
-        raise ValueError(f"expert weights do not match: x {x.shape}, w1 {_shape(w1)}, w3 {_shape(w3)}, "
-                         f"w2 {_shape(w2)}, num_experts {num_experts}")
+    E, I, K1 = _shape(w1, stacked)
+    if E != num_experts or K1 != K or _shape(w3, stacked) != (E, I, K) or _shape(w2, stacked) != (E, K, I):
+        raise ValueError(f"expert weights do not match: x {x.shape}, w1 {_shape(w1, stacked)}, "
+                         f"w3 {_shape(w3, stacked)}, w2 {_shape(w2, stacked)}, num_experts {num_experts}")
     weights = {"w1": w1, "w2": w2, "w3": w3}
-    specs = {n: _weight_specs(n, w, mshape) for n, w in weights.items()}
+    specs = {n: _weight_specs(n, w, mshape, stacked) for n, w in weights.items()}
     for n, ss in specs.items():
         if any(s[0] != EXPERTS for s in ss):
             raise ValueError(f"expert-parallel dispatch needs the {E} experts divisible by ep = {ep}; "
@@ -140,7 +150,9 @@ def expert_ffn_ep(x, topk_idx, topk_w, w1, w2, w3, act, num_experts: int, comput
     if h_split != (specs["w3"][0][1] == "tp"):
         raise ValueError("w1 and w3 are split differently over tp")
     y_split = specs["w2"][0][1] == "tp"  # K of w2 split over tp (else whole)
-    in_w = {n: tuple(P(*s) for s in specs[n]) if _is_pair(w) else P(*specs[n][0]) for n, w in weights.items()}
+    lead = (None,) if stacked else ()  # the layer axis of a stack stays whole
+    in_w = {n: tuple(P(*lead, *s) for s in specs[n]) if _is_pair(w) else P(*lead, *specs[n][0])
+            for n, w in weights.items()}
 
     n = -(-N // ep)  # tokens per EP rank
     pad = n * ep - N
@@ -151,12 +163,19 @@ def expert_ffn_ep(x, topk_idx, topk_w, w1, w2, w3, act, num_experts: int, comput
     idxp = jnp.pad(idx, ((0, pad), (0, 0)), constant_values=-1)
     wp = jnp.pad(topk_w.astype(jnp.float32), ((0, pad), (0, 0)))
 
+    interpret = None
+    if backend == "pallas-interpret":
+        from ..kernels.moe_gmm import interpret_params
+
+        interpret = interpret_params()
+    experts = functools.partial(_local_experts_gmm, interpret=interpret) if gmm else _local_experts
     body = functools.partial(_ep_body, act=act, E=E, ep=ep, n=n, k=k, compute_dtype=compute_dtype,
-                             impl=impl, h_split=h_split, y_split=y_split)
+                             impl=impl, h_split=h_split, y_split=y_split, experts=experts)
     tok = P(EXPERTS, None)
     w1, w2, w3 = (tuple(w) if _is_pair(w) else w for w in (w1, w2, w3))  # pytrees match in_w
-    out = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, in_w["w1"], in_w["w2"], in_w["w3"]),
-                        out_specs=P(), check_vma=False)(xp, idxp, wp, w1, w2, w3)
+    lay = jnp.asarray(0 if layer is None or not stacked else layer, jnp.int32)
+    out = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, in_w["w1"], in_w["w2"], in_w["w3"], P()),
+                        out_specs=P(), check_vma=False)(xp, idxp, wp, w1, w2, w3, lay)
     return out[:N]
 
 
@@ -173,7 +192,8 @@ def _group_slots(group, num_groups: int):
     return start[group] + pos, pos, count[:num_groups], start[:num_groups]
 
 
-def _ep_body(x, idx, wts, w1, w2, w3, *, act, E, ep, n, k, compute_dtype, impl, h_split, y_split):
+def _ep_body(x, idx, wts, w1, w2, w3, layer, *, act, E, ep, n, k, compute_dtype, impl, h_split, y_split,
+             experts):
     """Per device: x [n, K], idx/wts [n, k] (this EP rank's tokens), this device's expert
     blocks. Returns float32 [n*ep, K]: every token, on every device."""
     El = E // ep
@@ -212,7 +232,7 @@ def _ep_body(x, idx, wts, w1, w2, w3, *, act, E, ep, n, k, compute_dtype, impl, 
         raise ValueError(impl)
 
     # ---- this rank's experts on the received rows
-    y_recv = _local_experts(recv_x, recv_l, w1, w2, w3, act, El, compute_dtype, h_split)  # [ep*C, K_loc]
+    y_recv = experts(recv_x, recv_l, w1, w2, w3, act, El, compute_dtype, h_split, layer)  # [ep*C, K_loc]
     K_loc = y_recv.shape[1]
 
     # ---- combine: results back to their source rank, then into (token, choice) order
@@ -232,7 +252,7 @@ def _ep_body(x, idx, wts, w1, w2, w3, *, act, E, ep, n, k, compute_dtype, impl, 
     return out
 
 
-def _local_experts(xr, lr, w1, w2, w3, act, El, compute_dtype, h_split):
+def _local_experts(xr, lr, w1, w2, w3, act, El, compute_dtype, h_split, layer=None):
     """Rows xr [R, K] with local expert ids lr [R] (El = none) through this device's experts,
     grouped by expert with ``ragged_dot``. Returns float32 [R, K_loc] (this device's columns
     of w2's output); rows without an expert hold junk that no source reads."""
@@ -248,4 +268,41 @@ def _local_experts(xr, lr, w1, w2, w3, act, El, compute_dtype, h_split):
     if h_split:
         h = jax.lax.all_gather(h, "tp", axis=1, tiled=True)  # [R, I]: w2 splits K, not I
     y = jax.lax.ragged_dot(h, W2, sizes, preferred_element_type=f32)
+    return y[slot]
+
+
+def _row_tile(rows_per_group: int) -> int:
+    """The kernel's row tile: the mean rows per local expert rounded up to a power of two, in
+    [8, 128] (padding waste is at most a tile per visited expert)."""
+    return int(min(128, max(8, 1 << max(0, rows_per_group - 1).bit_length())))
+
+
+def _local_experts_gmm(xr, lr, w1, w2, w3, act, El, compute_dtype, h_split, layer, *, interpret=None):
+    """:func:`_local_experts` with the MXFP4 grouped-matmul kernel (``kernels.gmm_mxfp4``):
+    the received rows, grouped by local expert, times only the visited experts' packed tiles
+    -- never a dequantized copy of all ``El`` local experts (at K3 size that copy is tens of
+    GB per MoE layer per device). Weights are this device's blocks of the stacks, ``[L, El,
+    ...]`` (``layer``: the row, read in place) or ``[El, ...]``, repacked at load. w1 and w3
+    run fused (``act`` inside the kernel); ``h`` is all-gathered over ``"tp"`` when w1/w3 split
+    the intermediate dim, as in the reference."""
+    from ..kernels.gmm_mxfp4 import default_blocks, mxfp4_gmm
+
+    M, K = xr.shape
+    slot, _, sizes, _ = _group_slots(lr, El)  # rows without an expert sort last: no group
+    tm = _row_tile(M // max(1, El) + 1)
+    Mp = -(-M // tm) * tm
+    xs = jnp.zeros((Mp, K), compute_dtype).at[slot].set(xr.astype(compute_dtype))
+
+    def flat(w):  # [L, El, n, c] -> [L*El, n, c]: indexed by layer * El + expert
+        return tuple(a.reshape(-1, *a.shape[-2:]) for a in w)
+
+    def gmm(h, w, **fused):
+        p, s = flat(w)
+        return mxfp4_gmm(h, p, s, sizes, layer, num_experts=El, blocks=default_blocks(h.shape[1], p.shape[1], tm),
+                         interpret=interpret, **fused)
+
+    h = gmm(xs, w1, up=flat(w3), act=act).astype(compute_dtype)  # [Mp, I_loc]
+    if h_split:
+        h = jax.lax.all_gather(h, "tp", axis=1, tiled=True)  # [Mp, I]: w2 splits K, not I
+    y = gmm(h, w2)  # [Mp, K_loc] float32
     return y[slot]

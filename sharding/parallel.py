@@ -27,12 +27,19 @@
   next projection back to whole tokens (an all-gather) — only on steps with at least
   ``sp_min_rows`` tokens whose count divides by the SP size.
 
+With a Pallas kernel backend (``K3Config.kernels``) the model asks instead for
+``mla_write_attend_flat`` (the MLA kernel's write and attention per rank, DCP partials merged
+by their LSE), ``kda_layer_on_pools`` (the KDA kernels on each rank's slots and heads of the
+pools, in place) and ``expert_ffn(..., backend=...)`` (the MXFP4 grouped-matmul kernel per EP
+rank, ``sharding.ep``): docs/sharding.md, "Pallas kernels under a recipe".
+
 Everything else in the step runs under XLA's Auto partitioner with the parameter placement of
 ``sharding.mesh``.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -183,6 +190,158 @@ class StepParallel:
         return jax.shard_map(core, mesh=self.mesh, in_specs=specs, out_specs=(d, (d, d, d, d)),
                              check_vma=False)(*args)
 
+    # ------------------------------------------------------------------ Pallas kernels per rank
+    def _dcp_columns(self, table, local_table, ppr):
+        """This DCP rank's columns of the page table (pages ``(r - o) mod dcp``, then every
+        ``dcp``-th; ``o`` each row's starting rank) and their page ordinals ``[R, J]``."""
+        dcp = self.dcp
+        r = _flat_index(self.dcp_axes, self.sizes)
+        J = -(-table.shape[1] // dcp)
+        first_rank = (table[:, 0] // ppr) % dcp
+        ords = (r - first_rank)[:, None] % dcp + dcp * jnp.arange(J, dtype=jnp.int32)[None, :]
+        cols = jnp.take_along_axis(local_table, jnp.clip(ords, 0, table.shape[1] - 1), axis=1)
+        return jnp.where(ords < table.shape[1], cols, -1), ords
+
+    def mla_write_attend_flat(self, q_lat, q_rope, rows, kv_pool, layer, fb, tok_row, q_lens, scale: float,
+                              latent_dim: int, backend: str):
+        """The fused MLA layer of a Pallas backend (``ops.mla_write_attend``) per rank: write
+        the step's ``rows`` [T, W] into this rank's block of the pool and attend, returning
+        ``(out_lat [T, H, latent], pool)``. ``tok_row`` / ``q_lens``: the step's, masked by the
+        caller (a layer scan's non-MLA layer writes and attends nothing).
+
+        Without DCP one kernel call writes and attends over the rank's pages (the page table
+        mapped to its block, other blocks' pages ``-1``: never written, never read). With DCP
+        the write and the attention take different columns of the table (the write goes by
+        position, the attention only over this rank's columns, so it visits ``1/dcp`` of the
+        context), so there are two calls: the write (the mapped table, no query rows: only the
+        rank owning a row's page writes it), then the attention over the rank's columns with
+        their ordinals; the partials are merged exactly with their LSE, as
+        :meth:`mla_attend_flat`."""
+        from ..kernels import ops
+        from ..model.step import local_rows
+
+        dcp, dcp_ax = self.dcp, self.dcp_axes
+        q_spec, r_spec, pool_spec = self._mla_specs()
+
+        def local(q_lat, q_rope, rows, pool, table, tok_row, pos, kv_lens, cu, q_lens, layer):
+            tok_row = local_rows(tok_row, q_lens.shape[0])
+            ppr = pool.shape[1]
+            local_table = self._local_table(table, ppr)
+            call = functools.partial(ops.mla_write_attend, scale=scale, latent_dim=latent_dim, backend=backend)
+            if dcp == 1:
+                return call(q_lat, q_rope, rows, pool, layer, local_table, tok_row, pos, kv_lens, cu, q_lens)
+            # the write alone (no query rows: nothing attends), one head's queries for the shapes
+            _, pool = call(q_lat[:, :1], q_rope[:, :1], rows, pool, layer, local_table, tok_row, pos, kv_lens, cu,
+                           jnp.zeros_like(q_lens))
+            cols, ords = self._dcp_columns(table, local_table, ppr)
+            out, lse, pool = call(q_lat, q_rope, None, pool, layer, cols, tok_row, pos, kv_lens, cu, q_lens,
+                                  page_ordinals=ords, return_lse=True)
+            M = jax.lax.pmax(lse, dcp_ax)
+            M = jnp.where(jnp.isfinite(M), M, 0.0)
+            w = jnp.exp(lse - M)
+            num = jax.lax.psum(out * w[..., None], dcp_ax)
+            den = jax.lax.psum(w, dcp_ax)
+            return num / jnp.where(den > 0, den, 1.0)[..., None], pool
+
+        fn = jax.shard_map(local, mesh=self.mesh,
+                           in_specs=(q_spec, q_spec, r_spec, pool_spec, r_spec, r_spec, r_spec, r_spec, r_spec, r_spec,
+                                     P()),
+                           out_specs=(q_spec, pool_spec), check_vma=False)
+        return fn(q_lat, q_rope, rows, kv_pool, fb.page_table, tok_row, fb.pos, fb.kv_lens, fb.cu_q_lens, q_lens,
+                  jnp.asarray(layer, jnp.int32))
+
+    def _kda_split(self, kda_heads: int) -> bool:
+        """Whether the KDA heads are split over the attention group (``_state_heads``)."""
+        return self._state_heads(kda_heads) is not None and self.recipe.attn_group > 1
+
+    def _group_slots(self, S: int, slot):
+        """Global slot ids -> this DP group's block of ``S`` slots; others out of range (``S``)."""
+        base = jax.lax.axis_index("dp") * S if self.dp > 1 else 0
+        lid = slot - base
+        return jnp.where((lid >= 0) & (lid < S), lid, S)
+
+    def kda_conv_local(self, conv_pool, kda_heads: int):
+        """The conv pool as the KDA kernels read it under this recipe, for one step: with the
+        heads split over the attention group, a copy whose rank-``j`` block along the channels
+        holds only rank ``j``'s heads (``q_j | k_j | v_j``, the kernels' layout), placed
+        ``P(None, "dp", None, ATTN)``; else the pool itself. The cache keeps whole channels on
+        every rank of a group (``_slot_spec``), while a rank's heads are three separate channel
+        ranges; a cache laid out by head would make this copy (``1/group`` of the pool per
+        device and step) unnecessary. :meth:`kda_conv_merge` writes the step's windows back."""
+        if not self._kda_split(kda_heads):
+            return conv_pool
+        G = self.recipe.attn_group
+        L, _, Wm1, C = conv_pool.shape
+        Pw = C // 3
+
+        def local(conv):
+            r = _flat_index(ATTN, self.sizes)
+            v = conv.reshape(L, conv.shape[1], Wm1, 3, G, Pw // G)
+            return jax.lax.dynamic_index_in_dim(v, r, 4, keepdims=False).reshape(L, conv.shape[1], Wm1, 3 * Pw // G)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=self._slot_spec(conv_pool),
+                             out_specs=P(None, self.rows_axis, None, ATTN), check_vma=False)(conv_pool)
+
+    def kda_conv_merge(self, conv_pool, local_pool, fb, kda_heads: int):
+        """The windows the kernels wrote into :meth:`kda_conv_local`'s copy (the step's write
+        slots and snapshot slots, every layer; any other slot of the set is unchanged there)
+        all-gathered over the attention group and written into the whole-channel pool."""
+        if not self._kda_split(kda_heads):
+            return local_pool
+        spec = self._slot_spec(conv_pool)
+        d = P(self.rows_axis)
+
+        def local(conv, mine, write_slot, snap_slot):
+            S = conv.shape[1]
+            at = jnp.concatenate([self._group_slots(S, write_slot), self._group_slots(S, snap_slot)])
+            L, _, Wm1, Cl = mine.shape
+            got = mine[:, jnp.clip(at, 0, S - 1)].reshape(L, -1, Wm1, 3, Cl // 3)
+            got = jax.lax.all_gather(got, ATTN, axis=4, tiled=True).reshape(L, -1, Wm1, conv.shape[3])
+            return conv.at[:, at].set(got.astype(conv.dtype), mode="drop")
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, P(None, self.rows_axis, None, ATTN), d, d),
+                             out_specs=spec, check_vma=False)(conv_pool, local_pool, fb.write_slot, fb.snap_slot)
+
+    def kda_layer_on_pools(self, qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool,
+                           layer, fb, q_lens, *, lower_bound, eps, backend: str):
+        """``ops.kda_layer_on_pools`` (the KDA kernels on the pools in place) per rank: each DP
+        group on its own slots (slot ids made local to the group's block; others' dropped), each
+        rank of the group on its heads of the state pool (``_slot_spec``: heads over ``ATTN``)
+        and of ``conv_pool`` -- :meth:`kda_conv_local`'s pool, whose rank blocks hold the
+        rank's heads' channels. Returns ``(o [T, H, d], state_pool, conv_pool)`` in the pools'
+        layouts."""
+        from ..kernels import ops
+        from ..model.step import local_rows
+
+        T, H = beta.shape
+        Pw = f.shape[-1]
+        W = conv_w.shape[-1]
+        split = self._kda_split(H)
+        h = ATTN if split else None
+        ax = self.rows_axis
+        st_spec = self._slot_spec(state_pool)
+        cv_spec = P(None, ax, None, h)
+        d = P(ax)
+        in_specs = (P(ax, None, h), P(ax, h), P(ax, h), P(ax, h), P(None, h, None), P(h), P(h), P(), st_spec, cv_spec,
+                    P(), d, d, d, d, d, d, d, d, d, d)
+
+        def local(qkv3, f, beta, gate_out, conv_w3, A_log, dt_bias, o_norm, state, conv, layer, tok_row, cu, q_lens,
+                  start_pos, read_slot, write_slot, fresh, snap_row, snap_len, snap_slot):
+            R, S = q_lens.shape[0], state.shape[1]
+            base = jax.lax.axis_index("dp") * S if self.dp > 1 else 0
+            Tl, Pl = f.shape
+            return ops.kda_layer_on_pools(
+                qkv3.reshape(Tl, 3 * Pl), f, beta, gate_out, conv_w3.reshape(3 * Pl, W), A_log, dt_bias, o_norm, state,
+                conv, layer, local_rows(tok_row, R), cu, q_lens, start_pos, jnp.clip(read_slot - base, 0, S - 1),
+                self._group_slots(S, write_slot), fresh, local_rows(snap_row, R), snap_len,
+                self._group_slots(S, snap_slot), lower_bound=lower_bound, eps=eps, backend=backend)
+
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=in_specs,
+                           out_specs=(P(ax, h, None), st_spec, cv_spec), check_vma=False)
+        return fn(qkv_raw.reshape(T, 3, Pw), f, beta, gate_out, conv_w.reshape(3, Pw, W), A_log, dt_bias, o_norm,
+                  state_pool, conv_pool, jnp.asarray(layer, jnp.int32), fb.tok_row, fb.cu_q_lens, q_lens,
+                  fb.start_pos, fb.read_slot, fb.write_slot, fb.fresh, fb.snap_row, fb.snap_len, fb.snap_slot)
+
     # ------------------------------------------------------------------ KDA slots by DP group
     def take_slots(self, pool, slots):
         """``pool[:, slots]`` where each DP group's rows name only its own slots (the KDA
@@ -214,14 +373,21 @@ class StepParallel:
                              check_vma=False)(pool, slots, rows)
 
     # ------------------------------------------------------------------ experts
-    def expert_ffn(self, *args, **kw):
+    def expert_ffn(self, *args, backend: str = "reference", **kw):
+        """The routed experts: explicit EP dispatch/combine (``sharding.ep``) when the recipe
+        has EP, and always for a Pallas backend with MXFP4 experts (the grouped-matmul kernel
+        runs per rank on its local experts inside the dispatch's ``shard_map``: a kernel left to
+        the Auto partitioner would have its sharded weights gathered whole); otherwise the
+        partitioner places ``ops.expert_ffn``."""
         from ..kernels import ops
 
-        if self.ep_impl is None:
-            return ops.expert_ffn(*args, **kw)
+        w1 = args[3]
+        gmm = backend != "reference" and isinstance(w1, (tuple, list))
+        if self.ep_impl is None and not gmm:
+            return ops.expert_ffn(*args, backend=backend, **kw)
         from .ep import expert_ffn_ep
 
-        return expert_ffn_ep(*args, mesh=self.mesh, impl=self.ep_impl, **kw)
+        return expert_ffn_ep(*args, mesh=self.mesh, impl=self.ep_impl or "auto", backend=backend, **kw)
 
     # ------------------------------------------------------------------ latent MoE projections
     def _latent_axes(self, width: int):

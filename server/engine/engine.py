@@ -27,6 +27,12 @@ device output. The price is that a finish by a stop token or stop string is seen
 late: the finished request may have run one more (discarded) decode row, and every
 output reaches the caller one ``step()`` call later. Finishes by length are known ahead and
 cost nothing. ``async_scheduling=False`` waits for each step before planning the next.
+
+``recipe`` places the model on a mesh (``sharding/``). Every kernel backend serves under every
+recipe: with ``kernels="pallas"`` the MLA, KDA and MXFP4 expert kernels run per rank inside
+the recipe's ``shard_map``s, on the rank's pages, slots, heads and experts (docs/sharding.md,
+"Pallas kernels under a recipe"). The backend is the model's (``load_pretrained(...,
+kernels=...)``): Pallas on TPU, the reference elsewhere.
 """
 from __future__ import annotations
 
@@ -69,9 +75,6 @@ class Engine:
             enable_compile_cache(compilation_cache_dir)
         self.model = model
         self.recipe = self.mesh = self.par = None
-        if recipe is not None and cfg.kernels != "reference" and cfg.experts_mxfp4:
-            raise ValueError(f"kernels={cfg.kernels!r} is not wired into the sharded expert path yet: "
-                             "load with kernels='reference' to serve on a recipe")
         if recipe is not None:  # place the parameters on a mesh (sharding/ recipes)
             import jax
 

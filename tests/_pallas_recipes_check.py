@@ -1,0 +1,245 @@
+"""Child-process body for ``test_pallas_recipes.py`` (8 virtual CPU devices): greedy decoding of
+one tiny K3 with ``kernels="pallas-interpret"`` under each recipe (every Pallas kernel run per
+rank inside the recipe's shard_maps) against ``kernels="reference"`` on one device.
+
+Each run is one jitted step of a fixed ``[rows, T]`` padded shape (the prefill, then one-token
+decode steps in the same shape), so each model compiles once: interpreted kernels make every
+compile and step slow. Pages and slots come from the engine's ``CacheManager`` (DP groups,
+DCP round robin), rows laid out by DP group as the runner does. Prints one JSON line."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from k3serve.checkpoints import load_pretrained
+from k3serve.checkpoints.synthetic import generate_checkpoint, k3_config
+from k3serve.model.cache import Cache, allocate_cache, make_batch
+from k3serve.server.engine.cache import CacheManager, plan_capacity
+from k3serve.sharding.mesh import build_mesh, placement_for, shard_params
+from k3serve.sharding.parallel import StepParallel
+from k3serve.sharding.recipe import Recipe
+
+PAGE = 4
+
+
+def checkpoint(root: str) -> str:
+    """A 3-layer K3 (two KDA layers: the pools' layer index matters; an MLA layer; MXFP4
+    LatentMoE experts) with 8 KDA and MLA heads and 8 experts: heads split over every
+    attention group of 8 devices."""
+    cfg = k3_config(vocab_size=256, hidden_size=64, num_hidden_layers=3, full_attn_layers=[3], kda_num_heads=8,
+                    kda_head_dim=16, mla_heads=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                    qk_rope_head_dim=8, v_head_dim=8, num_experts=8, num_experts_per_token=2,
+                    num_shared_experts=1, moe_intermediate_size=32, routed_expert_hidden_size=32,
+                    intermediate_size=64, attn_res_block_size=2)
+    return str(generate_checkpoint(os.path.join(root, "k3-pallas-recipes"), cfg, seed=11))
+
+
+def greedy(m, recipe: str | None, prompts, new_tokens: int) -> dict:
+    """Greedy tokens of every prompt, all in one batch, the last step's logits and the
+    number of Pallas kernel call sites in the step."""
+    cfg = m.config
+    par, params, dp, dcp = None, m.params, 1, 1
+    if recipe is not None:
+        r = Recipe.parse(recipe)
+        devs = jax.devices()[: r.devices]
+        r = r.validate(cfg, num_devices=len(devs))
+        mesh = build_mesh(r, devs)
+        par, params, dp, dcp = StepParallel(r, mesh), shard_params(m.params, mesh), r.dp, r.dcp
+    rows, T = len(prompts), max(map(len, prompts))
+    pps = -(-(T + new_tokens) // PAGE)
+    blocks = dp * dcp
+    plan = plan_capacity(cfg, page_size=PAGE, dtype=m.dtype, num_pages=-(-rows * pps // blocks) * blocks + blocks,
+                         max_num_seqs=rows, dp=dp, dcp=dcp)
+    mgr = CacheManager(cfg, plan, m.dtype, allocate=False)
+    for i, p in enumerate(prompts):
+        assert mgr.admit(i) and mgr.ensure_tokens(i, len(p) + new_tokens)
+    groups = [mgr.group_of(i) for i in range(rows)]
+    Bg = max(groups.count(g) for g in range(dp))
+    B, at, seen = dp * Bg, [], [0] * dp
+    for g in groups:  # rows laid out by DP group, as the runner does
+        at.append(g * Bg + seen[g])
+        seen[g] += 1
+    alloc = lambda: allocate_cache(cfg, plan.num_slots, plan.num_pages, PAGE, m.dtype)  # noqa: E731
+    cache = alloc() if par is None else jax.jit(alloc, out_shardings=Cache(**par.cache_shardings(cfg.kda_num_heads)))()
+    step = jax.jit(lambda p, c, b, at: nnx.merge(m.graphdef, p)(b, c, par=par, logits_at=at), donate_argnums=(1,))
+
+    def batch(tokens, start):
+        tok, st, ln = np.zeros((B, T), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+        slots = np.asarray([mgr.scratch_slot(i // Bg) for i in range(B)], np.int32)
+        table = np.zeros((B, pps), np.int32)
+        for i in range(rows):
+            tok[at[i], : len(tokens[i])] = tokens[i]
+            st[at[i]], ln[at[i]] = start[i], len(tokens[i])
+            slots[at[i]] = mgr.slot_of(i)
+            table[at[i]] = mgr.page_table_row(i, pps)
+        return make_batch(tok, st, ln, slots, table), np.maximum(ln - 1, 0)
+
+    out, pos, feed = [[] for _ in prompts], [0] * rows, [list(p) for p in prompts]
+    traced = step.trace(params, cache, *batch(feed, pos))
+    kernels = str(traced.jaxpr).count("pallas_call[")  # kernel call sites in the step (scan body once)
+    run = traced.lower().compile()
+    for _ in range(new_tokens):
+        logits, cache = run(params, cache, *batch(feed, pos))
+        logits = np.asarray(logits[:, 0], np.float32)
+        for i in range(rows):
+            out[i].append(int(logits[at[i]].argmax()))
+            pos[i] += len(feed[i])
+            feed[i] = [out[i][-1]]
+    return {"tokens": out, "last_logits": [logits[at[i]].tolist() for i in range(rows)], "groups": groups,
+            "kernel_calls": kernels}
+
+
+def ragged_gmm_error(recipe: str) -> float:
+    """``expert_ffn_ep`` with the ragged exchange and the MXFP4 kernel (``backend``
+    "pallas-interpret", weights repacked, layer 1 of a 2-layer stack read in place) against the
+    one-device reference; the collective is EMULATED (all_gather + scatter with
+    ``ragged_all_to_all``'s documented semantics), since XLA:CPU has no ragged-all-to-all."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from k3serve.kernels.moe import expert_ffn
+    from k3serve.kernels.moe_gmm import repack_experts
+    from k3serve.kernels.mxfp4 import quantize_mxfp4_np
+    from k3serve.sharding import ep as ep_mod
+    from k3serve.sharding.mesh import param_spec
+
+    E, k, I, K, N = 8, 2, 32, 32, 13
+    rng = np.random.default_rng(1)
+    act = lambda g, u: jax.nn.silu(g) * u  # noqa: E731
+    q = {n: [quantize_mxfp4_np((rng.normal(size=s) / np.sqrt(s[-1])).astype(np.float32)) for _ in range(2)]
+         for n, s in (("w1", (E, I, K)), ("w3", (E, I, K)), ("w2", (E, K, I)))}
+    x = rng.normal(size=(N, K)).astype(np.float32)
+    idx = np.argsort(-rng.normal(size=(N, E)), axis=1)[:, :k].astype(np.int32)
+    w = rng.uniform(0.2, 1.0, size=(N, k)).astype(np.float32)
+    want = np.asarray(expert_ffn(x, idx, w, q["w1"][1], q["w2"][1], q["w3"][1], act, E), np.float64)
+    r = Recipe.parse(recipe)
+    mesh = build_mesh(r, jax.devices()[: r.devices])
+
+    def stack(name):  # [2, E, ...] packed (repacked) and scale, placed as the model's stacks
+        out = []
+        for part, arrs in (("packed", [repack_experts(a[0]) for a in q[name]]), ("scale", [a[1] for a in q[name]])):
+            a = np.stack(arrs)
+            spec = param_spec(f"ffn.1.block_sparse_moe.experts.{name}_{part}", a.shape, dict(mesh.shape))
+            out.append(jax.device_put(a, NamedSharding(mesh, PartitionSpec(*spec))))
+        return tuple(out)
+
+    def emulated(operand, output, in_off, send, out_off, recv, *, axis_name):
+        me = jax.lax.axis_index(axis_name)
+        ops = jax.lax.all_gather(operand, axis_name)
+        lo = jax.lax.all_gather(in_off, axis_name)[:, me][:, None]
+        sz = jax.lax.all_gather(send, axis_name)[:, me]
+        dst = jax.lax.all_gather(out_off, axis_name)[:, me][:, None]
+        rows = jnp.arange(operand.shape[0])[None, :]
+        ok = (rows >= lo) & (rows < lo + sz[:, None])
+        tgt = jnp.where(ok, dst + rows - lo, output.shape[0]).reshape(-1)
+        return output.at[tgt].set(ops.reshape(-1, *operand.shape[1:]), mode="drop")
+
+    ep_mod._ragged_all_to_all = emulated
+    try:
+        f = jax.jit(lambda x, i, w, w1, w2, w3: ep_mod.expert_ffn_ep(
+            x, i, w, w1, w2, w3, act, E, mesh=mesh, impl="ragged", layer=1, backend="pallas-interpret"))
+        got = np.asarray(f(x, idx, w, stack("w1"), stack("w2"), stack("w3")), np.float64)
+    finally:
+        ep_mod._ragged_all_to_all = jax.lax.ragged_all_to_all
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def kda_pools_error(recipe: str) -> float:
+    """``StepParallel.kda_layer_on_pools`` between ``kda_conv_local`` and ``kda_conv_merge``
+    (dp=2, heads split) on 2-layer pools, with a prefix hit (read slot != write slot), a fresh
+    row and snapshots taken by a prefill row (after 2 of its 3 tokens) and by a decode row,
+    against ``ops.kda_layer_on_pools`` on one device, group by group: the largest relative
+    error of the outputs and both pools."""
+    import types
+
+    import jax.numpy as jnp
+
+    from k3serve.kernels import ops
+    from k3serve.model.step import local_rows
+
+    H, d, W, L = 8, 16, 4, 2
+    P = H * d
+    Tg, Rg, Sg, NSg = 8, 2, 6, 2  # per DP group: tokens, rows, slots, snapshot entries
+    T, S = 2 * Tg, 2 * Sg
+    rng = np.random.default_rng(0)
+    f32 = np.float32
+    x = dict(qkv=rng.normal(size=(T, 3 * P)).astype(f32), f=rng.normal(size=(T, P)).astype(f32),
+             beta=(1 / (1 + np.exp(-rng.normal(size=(T, H))))).astype(f32), gate=rng.normal(size=(T, P)).astype(f32))
+    cw = (0.5 * rng.normal(size=(3 * P, W))).astype(f32)
+    A_log, dt_bias = rng.normal(size=(H,)).astype(f32), rng.normal(size=(P,)).astype(f32)
+    o_norm = (1 + 0.1 * rng.normal(size=(d,))).astype(f32)
+    state = (0.1 * rng.normal(size=(L, S, H, d, d))).astype(f32)
+    conv = rng.normal(size=(L, S, W - 1, 3 * P)).astype(f32)
+    # group 0: row0 3 tokens (snapshot after 2 -> slot 2), row1 1 token (snapshot len 1 -> slot 3)
+    # group 1: row0 1 token read 6 write 7, row1 4 tokens fresh, read/write 8; no snapshots
+    q_lens = np.array([3, 1, 1, 4], np.int32)
+    tok_row = np.array([0, 0, 0, 1] + [-1] * 4 + [0, 1, 1, 1, 1] + [-1] * 3, np.int32)
+    cu = np.array([0, 3, 4, 0, 1, 5], np.int32)
+    start = np.array([5, 7, 9, 0], np.int32)
+    read, write = np.array([0, 1, 6, 8], np.int32), np.array([0, 1, 7, 8], np.int32)
+    fresh = np.array([False, False, False, True])
+    snap_row, snap_len = np.array([0, 1, -1, -1], np.int32), np.array([2, 1, 0, 0], np.int32)
+    snap_slot = np.array([2, 3, S, S], np.int32)
+    layer = 1
+    kw = dict(lower_bound=-5.0, eps=1e-5, backend="pallas-interpret")
+
+    # one device, group by group
+    st, cv, outs = jnp.asarray(state), jnp.asarray(conv), []
+    for g in range(2):
+        tk, rw, sn = slice(g * Tg, (g + 1) * Tg), slice(g * Rg, (g + 1) * Rg), slice(g * NSg, (g + 1) * NSg)
+        o, st, cv = ops.kda_layer_on_pools(
+            x["qkv"][tk], x["f"][tk], x["beta"][tk], x["gate"][tk], cw, A_log, dt_bias, o_norm, st, cv, layer,
+            local_rows(jnp.asarray(tok_row[tk]), Rg), cu[g * (Rg + 1):(g + 1) * (Rg + 1)], q_lens[rw], start[rw],
+            read[rw], write[rw], fresh[rw], local_rows(jnp.asarray(snap_row[sn]), Rg), snap_len[sn], snap_slot[sn],
+            **kw)
+        outs.append(o)
+    want_o, want_st, want_cv = np.concatenate(outs), np.asarray(st), np.asarray(cv)
+
+    r = Recipe.parse(recipe)
+    mesh = build_mesh(r, jax.devices()[:8])
+    par = StepParallel(r, mesh)
+    sh = par.cache_shardings(H)
+    fb = types.SimpleNamespace(tok_row=tok_row, cu_q_lens=cu, start_pos=start, read_slot=read, write_slot=write,
+                               fresh=fresh, snap_row=snap_row, snap_len=snap_len, snap_slot=snap_slot)
+
+    def g(st, cv):
+        loc = par.kda_conv_local(cv, H)
+        o, st, loc = par.kda_layer_on_pools(x["qkv"], x["f"], x["beta"], x["gate"], cw, A_log, dt_bias, o_norm,
+                                            st, loc, layer, fb, jnp.asarray(q_lens), **kw)
+        return o, st, par.kda_conv_merge(cv, loc, fb, H)
+
+    o, st2, cv2 = jax.jit(g)(jax.device_put(state, sh["kda_state"]), jax.device_put(conv, sh["kda_conv"]))
+    rel = lambda a, b: float(np.abs(np.asarray(a) - b).max() / np.abs(b).max())  # noqa: E731
+    return max(rel(o, want_o), rel(st2, want_st), rel(cv2, want_cv))
+
+
+def main():
+    root, spec = sys.argv[1], json.loads(sys.argv[2])
+    path = checkpoint(root)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, n).tolist() for n in spec["lengths"]]
+    out, t0 = {}, time.perf_counter()
+    out["reference"] = greedy(load_pretrained(path, kernels="reference"), None, prompts, spec["new_tokens"])
+    for name, recipe in spec["recipes"].items():
+        # loaded straight into the recipe's shards: the kernel's repack keeps each placement
+        r = Recipe.parse(recipe)
+        mesh = build_mesh(r, jax.devices()[: r.devices])
+        pal = load_pretrained(path, kernels="pallas-interpret", placement=placement_for(mesh))
+        leaves = jax.tree.leaves(pal.params)
+        kept = all(a is b for a, b in zip(leaves, jax.tree.leaves(shard_params(pal.params, mesh))))
+        out[name] = dict(greedy(pal, recipe, prompts, spec["new_tokens"]), placement_kept=kept)
+        print(f"{time.perf_counter() - t0:.1f}s", name, out[name], file=sys.stderr, flush=True)
+    out["ragged_gmm_err"] = ragged_gmm_error(spec["ragged_recipe"])
+    out["kda_pools_err"] = kda_pools_error(spec["ragged_recipe"])
+    print(f"{time.perf_counter() - t0:.1f}s ragged", out["ragged_gmm_err"], file=sys.stderr, flush=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
