@@ -126,8 +126,9 @@ def default_kernels() -> str:
     return "pallas" if jax.default_backend() == "tpu" else "reference"
 
 
-def repack_experts_for_kernels(module) -> None:
-    """MXFP4 experts' bytes in the grouped-matmul kernel's nibble order (lossless, once)."""
+def repack_experts_for_kernels(module, abstract: bool = False) -> None:
+    """MXFP4 experts' bytes in the grouped-matmul kernel's nibble order (lossless, once).
+    ``abstract``: the module holds ``ShapeDtypeStruct``s; they take the repacked shape and dtype."""
     from ..kernels.ops import repack_experts
     from .moe import Experts
 
@@ -135,4 +136,4 @@ def repack_experts_for_kernels(module) -> None:
         if isinstance(node, Experts) and node.mxfp4:
             for name in ("w1", "w2", "w3"):
                 var = getattr(node, name + "_packed")
-                var.set_value(repack_experts(var.get_value()))
+                var.set_value((jax.eval_shape if abstract else (lambda f, a: f(a)))(repack_experts, var.get_value()))
