@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-memory-gb", type=float, default=None)
     p.add_argument("--num-pages", type=int, default=None)
     add_prefix_flags(p)
+    p.add_argument("--only", default=None, metavar="REGEX",
+                   help="compile only the programs whose name matches (e.g. 'step|decode'); the rest are not "
+                        "reported, and the per-device total counts only their temporaries")
     p.add_argument("--no-decode-costs", action="store_true",
                    help="skip the per-layer decode programs (the decode step's summed cost)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the report as JSON to OUT ('-': stdout)")
@@ -97,7 +100,8 @@ def run(args, log=print) -> dict:
 
     rep = {"ok": False, "error": None, "model": args.model, "topology": args.topology, "devices": None,
            "recipe": args.recipe, "kernels": args.kernels, "dtype": args.dtype, "programs": [],
-           "hbm_per_device": None, "per_device_bytes": {"compiler": None, "plan": None}, "decode": {}}
+           "hbm_per_device": None, "fits": None, "per_device_bytes": {"compiler": None, "plan": None},
+           "decode": {}}
     try:
         tpu_aot.require_libtpu()
         cfg, rep["model"] = model_config(args.model)
@@ -120,7 +124,11 @@ def run(args, log=print) -> dict:
     from .engine.aot_build import decode_bucket, decode_costs, serving_programs
 
     temps = {}
-    for built in serving_programs(engine, ctx):
+    import re
+
+    want = (lambda name: re.search(args.only, name) is not None) if args.only else (lambda name: True)
+    rep["only"] = args.only
+    for built in serving_programs(engine, ctx, want):
         entry = _entry(built)
         rep["programs"].append(entry)
         log(f"  {built.name}: {'ok' if entry['ok'] else 'FAILED'} in {built.seconds:.1f}s", file=sys.stderr)
@@ -148,7 +156,7 @@ def run(args, log=print) -> dict:
     except Exception as e:  # noqa: BLE001
         rep["decode"]["plan_error"] = f"{type(e).__name__}: {e}"
     ok = all(p["ok"] for p in rep["programs"]) and bool(rep["programs"])
-    if not args.no_decode_costs:
+    if not args.no_decode_costs and want("decode_layers[]"):
         var_kw = dict(kw, num_pages=plan_cap.num_pages, kv_memory_bytes=None,
                       prefix_snapshots=plan_cap.snapshot_slots or None)
 
@@ -167,6 +175,12 @@ def run(args, log=print) -> dict:
             rep["decode"]["error"] = f"{type(e).__name__}: {e}"
             ok = False
     rep["ok"] = ok
+    hbm, need = rep["hbm_per_device"], rep["per_device_bytes"]["compiler"]
+    over = any(tpu_aot.hbm_from_error(p["error"] or "") for p in rep["programs"])
+    # fits: every program compiled and the sum is within a device; False when the compiler said
+    # it is not (a program past the HBM) or the sum is past it; None when a failure hides it
+    rep["fits"] = (False if over or (hbm and need > hbm) else
+                   True if all(p["ok"] for p in rep["programs"]) and hbm else None)
     return rep
 
 

@@ -59,9 +59,9 @@ def format_report(rep: dict) -> str:
                f"{_gib(parts.get('caches'))}, largest temporaries {_gib(parts.get('temp'))} in "
                f"{parts.get('temp_program') or '-'}); planner {_gib(pd['plan'])}; HBM {_gib(hbm)} "
                f"({rep.get('hbm_source', '')})")
-    if pd["compiler"] is not None and hbm:
-        out.append("fits a device" if pd["compiler"] <= hbm else
-                   f"DOES NOT FIT: {_gib(pd['compiler'])} > {_gib(hbm)} per device")
+    fits = rep.get("fits")
+    out.append("fits a device" if fits else "fit unknown: a program failed for another reason" if fits is None else
+               f"DOES NOT FIT a device ({_gib(hbm)}): see the programs past the HBM above")
     d = rep.get("decode") or {}
     if d:
         acc, plan = d.get("bytes_accessed"), d.get("plan_bytes")

@@ -64,31 +64,42 @@ def _sds(shape, dtype=np.int32):
     return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
 
 
-def _attempt(name: str, lower, context) -> tuple[Built, object]:
+def _attempt(name: str, lower, context, compile: bool = True) -> tuple[Built, object]:
     """Lower (under ``context``) and compile; ``(Built, what to read out_info from)``."""
     t = time.perf_counter()
     lowered = compiled = error = None
     try:
         with context():
             lowered = lower()
-        compiled = lowered.compile()
+        if compile:
+            compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - a program that fails is a result, not a crash
         error = f"{type(e).__name__}: {e}"
     return Built(name, compiled, time.perf_counter() - t, error), (compiled or lowered)
 
 
-def serving_programs(engine, context=contextlib.nullcontext):
+def serving_programs(engine, context=contextlib.nullcontext, want=lambda name: True):
     """Compile every program ``serve`` compiles for ``engine``'s configuration (a unified
-    server: no P/D cut programs); yields a :class:`Built` per program, in warm-up's order."""
+    server: no P/D cut programs); yields a :class:`Built` per program, in warm-up's order.
+    ``want(name)``: False skips a program (a sampler whose step is skipped still lowers it)."""
     run, mgr = engine.runner, engine.cache_mgr
     params, cache = engine.model.params, mgr.device_cache
     samplers = set()
+
+    def attempt(name, lower, compile=True):
+        if not want(name):
+            return None, None
+        return _attempt(name, lower, context, compile)
+
     for T in run.shape_buckets():
-        built, src = _attempt(f"step[T={T}]", lambda T=T: run._jit(T).lower(params, cache, *run._padding_args(T)),
-                              context)
-        yield built
         R = run.layout(T).R
-        if R in samplers:
+        sample = R not in samplers and want(f"sample[R={R}]")
+        name = f"step[T={T}]"
+        built, src = _attempt(name, lambda T=T: run._jit(T).lower(params, cache, *run._padding_args(T)), context,
+                              compile=want(name)) if want(name) or sample else (None, None)
+        if want(name):
+            yield built
+        if R in samplers or not sample:
             continue
         samplers.add(R)
         if src is None:
@@ -96,18 +107,25 @@ def serving_programs(engine, context=contextlib.nullcontext):
             continue
         logits, _, rows = src.out_info
         yield _attempt(f"sample[R={R}]", lambda: run._sample_jit.lower(logits, rows, run.table), context)[0]
-    yield _attempt("table_row", lambda: run._set_row.lower(run.table, _sds(()), _sds((run.vocab_size,))), context)[0]
+    progs = [("table_row", lambda: run._set_row.lower(run.table, _sds(()), _sds((run.vocab_size,))))]
     if engine.prefix_cache is not None:
         for w in mgr.copy_widths:
             for what in ("pages", "slots"):
-                yield _attempt(f"cache_{what}[{w}]", lambda what=what, w=w: mgr._program(what).lower(
-                    cache, _sds((w,)), _sds((w,))), context)[0]
+                progs.append((f"cache_{what}[{w}]", lambda what=what, w=w: mgr._program(what).lower(
+                    cache, _sds((w,)), _sds((w,)))))
+    for name, lower in progs:
+        built, _ = attempt(name, lower)
+        if built is not None:
+            yield built
     widths = small_program_widths(engine, None)
     for w in sorted(set(widths["read"]) | set(widths["load"])):
-        built, src = _attempt(f"cache_read[{w}]", lambda w=w: mgr._program("read").lower(cache, _sds(()), _sds((w,))),
-                              context)
-        yield built
-        if w in widths["load"]:
+        load = w in widths["load"] and want(f"cache_load[{w}]")
+        name = f"cache_read[{w}]"
+        built, src = _attempt(name, lambda w=w: mgr._program("read").lower(cache, _sds(()), _sds((w,))), context,
+                              compile=want(name)) if want(name) or load else (None, None)
+        if want(name):
+            yield built
+        if load:
             if src is None:
                 yield Built(f"cache_load[{w}]", None, 0.0, "not lowered: its read program did not lower")
                 continue
