@@ -155,7 +155,7 @@ def run(args, log=print) -> dict:
         rep["decode"].update(plan_bytes=plan["decode_bytes"], plan_collectives=plan["decode_collectives"])
     except Exception as e:  # noqa: BLE001
         rep["decode"]["plan_error"] = f"{type(e).__name__}: {e}"
-    ok = all(p["ok"] for p in rep["programs"]) and bool(rep["programs"])
+    ok = True
     if not args.no_decode_costs and want("decode_layers[]"):
         var_kw = dict(kw, num_pages=plan_cap.num_pages, kv_memory_bytes=None,
                       prefix_snapshots=plan_cap.snapshot_slots or None)
@@ -169,12 +169,11 @@ def run(args, log=print) -> dict:
                 f"  {b.name}: {'ok' if b.compiled is not None else 'FAILED'} in {b.seconds:.1f}s", file=sys.stderr))
             progs = d.pop("programs")
             rep["programs"].extend(_entry(b) for b in progs)
-            ok = ok and all(b.compiled is not None for b in progs)
             rep["decode"].update(d)
         except Exception as e:  # noqa: BLE001
             rep["decode"]["error"] = f"{type(e).__name__}: {e}"
             ok = False
-    rep["ok"] = ok
+    rep["ok"] = ok and bool(rep["programs"]) and all(p["ok"] for p in rep["programs"])
     hbm, need = rep["hbm_per_device"], rep["per_device_bytes"]["compiler"]
     over = any(tpu_aot.hbm_from_error(p["error"] or "") for p in rep["programs"])
     # fits: every program compiled and the sum is within a device; False when the compiler said

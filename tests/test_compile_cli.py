@@ -43,30 +43,46 @@ def _compile(path, tmp_path, *flags):
 
 
 def test_small_k3_compiles_every_serving_program_under_a_recipe(small_config, tmp_path, capsys):
-    rc, rep = _compile(small_config, tmp_path, "--recipe", "ep=4,tp=2,dcp=8", "--max-num-seqs", "2",
-                       "--max-num-batched-tokens", "2", "--max-model-len", "64", "--prefix-host-gb", "0")
+    rc, rep = _compile(small_config, tmp_path, "--recipe", "ep=4,tp=2,dcp=8", "--max-num-seqs", "4",
+                       "--max-num-batched-tokens", "4", "--max-model-len", "128", "--prefix-host-gb", "0",
+                       "--no-decode-costs")
     assert rc == 0, [p["error"] for p in rep["programs"] if not p["ok"]]
     assert rep["ok"] and rep["devices"] == 8 and rep["topology"] == "tpu7x:2x2x1" and rep["kernels"] == "reference"
     names = [p["name"] for p in rep["programs"]]
     # a step per token bucket (1, the row count), a sampler per row count, the table row, the
-    # prefix-cache copies, then the per-layer decode programs
-    for want in ("step[T=1]", "step[T=2]", "sample[R=1]", "sample[R=2]", "table_row", "cache_pages[1]",
+    # prefix-cache copies
+    for want in ("step[T=1]", "step[T=4]", "sample[R=1]", "sample[R=4]", "table_row", "cache_pages[1]",
                  "cache_slots[1]"):
         assert want in names
-    assert sum(n.startswith("decode_layers[") for n in names) == 4  # anchor + 3 layer kinds
     for p in rep["programs"]:
         assert p["ok"] and p["error"] is None and p["compile_s"] > 0
         m = p["bytes_per_device"]
         assert m["argument"] > 0 and m["code"] > 0 and p["bytes_accessed"] > 0
-    step = next(p for p in rep["programs"] if p["name"] == "step[T=2]")
+    step = next(p for p in rep["programs"] if p["name"] == "step[T=4]")
     assert step["flops"] > 0 and step["collectives"].get("ragged-all-to-all", 0) > 0  # EP dispatch on TPU
     assert rep["hbm_per_device"] == int(94.75 * 2**30)  # libtpu's figure for a v7x device
     pd = rep["per_device_bytes"]
     assert 0 < pd["plan"] < pd["compiler"] < rep["hbm_per_device"]
+    assert rep["fits"] is True and "fits a device" in capsys.readouterr().out
     d = rep["decode"]
-    assert d["bucket"] == 2 and d["bytes_accessed"] > 0 and d["plan_bytes"] > 0 and d["collectives"] > 0
+    assert d["bucket"] == 4 and d["plan_bytes"] > 0 and d["bytes_accessed"] is None  # --no-decode-costs
+
+
+@pytest.mark.slow  # four more programs (~50 s on 2 cores)
+def test_decode_step_costs_are_summed_over_layers(small_config, tmp_path):
+    rc, rep = _compile(small_config, tmp_path, "--recipe", "ep=4,tp=2,dcp=8", "--max-num-seqs", "4",
+                       "--max-num-batched-tokens", "4", "--max-model-len", "128", "--only", "decode")
+    assert rc == 0, [p["error"] for p in rep["programs"] if not p["ok"]]
+    assert [p["name"] for p in rep["programs"]] == [  # the anchor (one layer per attention type), + each kind
+        "decode_layers[kda+moe mla+moe]", "decode_layers[kda+moe mla+moe kda+mlp]",
+        "decode_layers[kda+moe mla+moe kda+moe]", "decode_layers[kda+moe mla+moe mla+moe]"]
+    d = rep["decode"]
     assert set(d["per_layer"]) == {"kda+mlp", "kda+moe", "mla+moe"}
-    assert "fits a device" in capsys.readouterr().out
+    assert d["per_layer"]["kda+moe"]["layers"] == 2  # layers 1, 2 (0 is dense, 3 is MLA)
+    for f in d["per_layer"].values():
+        assert f["bytes_accessed"] > 0 and f["flops"] > 0 and f["collectives"] > 0
+    assert d["bytes_accessed"] > max(f["bytes_accessed"] for f in d["per_layer"].values())
+    assert d["plan_bytes"] > 0 and d["collectives"] > 0
 
 
 def test_a_recipe_the_topology_cannot_hold_fails_with_its_error(small_config, tmp_path):
