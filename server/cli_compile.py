@@ -123,6 +123,8 @@ def run(args, log=print) -> dict:
     ctx = lambda: tpu_aot.abstract_mesh(mesh)  # noqa: E731 - Pallas asks the default device's TPU otherwise
     from .engine.aot_build import decode_bucket, decode_costs, serving_programs
 
+    weights = tpu_aot.shard_bytes(engine.model.params)
+    caches = tpu_aot.shard_bytes((engine.cache_mgr.device_cache, engine.runner.table))
     temps = {}
     import re
 
@@ -132,11 +134,13 @@ def run(args, log=print) -> dict:
         entry = _entry(built)
         rep["programs"].append(entry)
         log(f"  {built.name}: {'ok' if entry['ok'] else 'FAILED'} in {built.seconds:.1f}s", file=sys.stderr)
-        temp = entry["bytes_per_device"]["temp"] if entry["ok"] else tpu_aot.temp_from_error(built.error or "")
+        # libtpu's "HLO temporaries (X)" of a program past the HBM is its whole need (the design
+        # note: 128.71G = 62.2 GiB of parameters and cache + 66.6 GiB of temporaries)
+        past = None if entry["ok"] else tpu_aot.temp_from_error(built.error or "")
+        temp = entry["bytes_per_device"]["temp"] if entry["ok"] else (
+            None if past is None else max(0, past - weights - caches))
         if temp is not None:
             temps[built.name] = temp
-    weights = tpu_aot.shard_bytes(engine.model.params)
-    caches = tpu_aot.shard_bytes((engine.cache_mgr.device_cache, engine.runner.table))
     worst = max(temps, key=temps.get) if temps else None
     rep["compiler_parts"] = {"weights": weights, "caches": caches, "temp": temps.get(worst), "temp_program": worst}
     rep["per_device_bytes"]["compiler"] = weights + caches + (temps.get(worst) or 0)
