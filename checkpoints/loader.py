@@ -53,6 +53,37 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, dequantize_expe
     return model
 
 
+def abstract_pretrained(cfg: K3Config, dtype="float32", *, dequantize_experts: bool = False, page_size: int = 16,
+                        placement=None, device=None, kernels: str | None = None) -> KimiModel:
+    """A ``KimiModel`` whose parameters are ``jax.ShapeDtypeStruct``s exactly as
+    :func:`load_pretrained` would store them for ``cfg`` (dtype, MXFP4 stacks packed with their
+    scales, the kernels' repacked layout for a Pallas backend), each placed by ``placement``
+    (``param_path, shape -> Sharding``) or else on ``device``: for compiling the serving
+    programs of a model without reading a weight (``k3serve compile``)."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    dt = resolve_dtype(dtype)
+    model_cfg = cfg.replace(experts_mxfp4=False) if (dequantize_experts and cfg.experts_mxfp4) else cfg
+    model_cfg = model_cfg.replace(kernels=kernels or default_kernels())
+    module = nnx.eval_shape(lambda: KimiLM(model_cfg, dt))
+    if model_cfg.kernels != "reference" and model_cfg.experts_mxfp4:
+        repack_experts_for_kernels(module, abstract=True)
+    for path, var in nnx.iter_graph(module):
+        if not isinstance(var, nnx.Variable):
+            continue
+        path, cur = ".".join(str(p) for p in path), var.get_value()
+        where = placement(path, tuple(cur.shape)) if placement is not None else None
+        if where is None:
+            if device is None:
+                raise ValueError("abstract_pretrained needs a placement or a device")
+            where = SingleDeviceSharding(device)
+        var.set_value(jax.ShapeDtypeStruct(cur.shape, cur.dtype, sharding=where))
+    model = KimiModel(module, model_cfg, dt, page_size=page_size)
+    model.load_stats = {"bytes_read": 0, "checkpoint_bytes": 0}
+    return model
+
+
 def _load_preshard(path, dt, dequantize_experts: bool, page_size: int, placement, kernels) -> KimiModel:
     """``load_pretrained`` of a pre-sharded checkpoint: the arrays are stored as the model
     holds them, so they are read into their shardings and nothing is converted."""

@@ -126,9 +126,11 @@ def default_kernels() -> str:
     return "pallas" if jax.default_backend() == "tpu" else "reference"
 
 
-def repack_experts_for_kernels(module) -> None:
+def repack_experts_for_kernels(module, abstract: bool = False) -> None:
     """MXFP4 experts in the grouped-matmul kernel's stored layout (lossless, once): bytes in
     its nibble order, scales padded to 128 columns (``kernels.moe_gmm.repack_experts``).
+    ``abstract``: the module holds ``ShapeDtypeStruct``s; they take the stored shapes, their
+    shardings kept (``k3serve compile``).
 
     A placed load (a recipe's shards) is repacked shard by shard in its own sharding: the
     repack permutes bytes within the last dim and pads the scales' last dim, which no recipe
@@ -142,9 +144,9 @@ def repack_experts_for_kernels(module) -> None:
                 pv, sv = getattr(node, name + "_packed"), getattr(node, name + "_scale")
                 p, sc = pv.get_value(), sv.get_value()
                 shardings = tuple(getattr(x, "sharding", None) for x in (p, sc))
-                if isinstance(p, jax.Array) and None not in shardings:
+                if not abstract and isinstance(p, jax.Array) and None not in shardings:
                     p, sc = jax.jit(repack_experts, out_shardings=shardings)(p, sc)
-                else:
+                else:  # host arrays, or abstract ones (shapes and shardings only)
                     p, sc = repack_experts(p, sc)
                 pv.set_value(p)
                 sv.set_value(sc)

@@ -5,6 +5,8 @@ Subcommands:
   info       print a checkpoint's parsed config and parameter count
   plan       memory per device and max concurrent requests for parallelism recipes
   serve      serve a checkpoint over gRPC (SGLang scheduler protocol, health, reflection)
+  compile    ``compile --topology tpu7x:2x2x4 --recipe R --model M``: every serving program compiled
+             for a TPU topology here, no TPU and no weights (server/cli_compile.py, docs/compile.md)
   preshard   ``preshard SRC DST --recipe R``: safetensors -> Orbax laid out for a recipe;
              ``preshard verify DST [--source SRC]`` (server/cli_preshard.py)
   bench      ``bench --server HOST:PORT --trace T.jsonl``: replay a Mooncake trace over gRPC
@@ -435,6 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
                         add_help=False)  # main() hands its arguments to server/cli_preshard.py
     ps.add_argument("rest", nargs=argparse.REMAINDER)
 
+    sub.add_parser("compile", help="compile serve's programs for a TPU topology on this host (libtpu, no TPU, "
+                                   "no weights): per program memory, cost, collectives; fits or not",
+                   add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
+
     b = sub.add_parser("bench", help="benchmarks: trace replay over gRPC, or 'offline' engine throughput",
                        description="k3serve bench --server HOST:PORT --trace trace.jsonl [--concurrency N] ... | "
                                    "k3serve bench offline [--model DIR|demo] [--concurrency 1,8,32] "
@@ -461,6 +467,10 @@ def main(argv=None) -> int:
         from .cli_preshard import main as preshard_main
 
         return preshard_main(argv[1:])
+    if argv and argv[0] == "compile":  # its own parser (serve's engine flags)
+        from .cli_compile import main as compile_main
+
+        return compile_main(argv[1:])
     if argv and argv[0] == "bench":
         # the benchmarks parse their own flags (argparse's REMAINDER stops at a leading --flag)
         rest = argv[1:]

@@ -89,11 +89,16 @@ def compile_for_tpu(fn, args, mesh, **jit_kwargs):
 
 
 @contextlib.contextmanager
-def _abstract(mesh):
+def abstract_mesh(mesh):
+    """Lower under ``mesh``'s abstract mesh: Pallas's lowering of some integer ops asks the
+    default device's TPU info otherwise, and the default device here is the CPU."""
     import jax
 
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         yield
+
+
+_abstract = abstract_mesh
 
 
 def memory(compiled) -> dict:
@@ -165,3 +170,54 @@ def program_report(name: str, compiled, seconds: float) -> dict:
     mem = memory(compiled)
     return {"name": name, "ok": True, "error": None, "compile_s": round(seconds, 3),
             "bytes_per_device": mem, **cost(compiled), "collectives": collectives(compiled)}
+
+
+# HBM per device by device kind, where libtpu does not say: v7x from libtpu 0.0.42.1's own
+# "exceeds available HBM (94.75G)" (G = GiB) on tpu7x topologies
+HBM_PER_DEVICE = {"TPU7x": int(94.75 * 2**30)}
+_HBM = re.compile(r"exceeds available HBM \(([\d.]+)([KMGT])\)")
+_TEMP = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\)")
+
+
+def _sized(m) -> int | None:
+    return int(float(m.group(1)) * 2 ** (10 * "KMGT".index(m.group(2)) + 10)) if m else None
+
+
+def temp_from_error(message: str) -> int | None:
+    """The HLO temporaries' bytes libtpu names in a RESOURCE_EXHAUSTED compile error."""
+    return _sized(_TEMP.search(message))
+
+
+def shard_bytes(tree) -> int:
+    """Bytes one device holds of ``tree``'s placed arrays or ``ShapeDtypeStruct``s (the most
+    any device holds, leaf by leaf)."""
+    import jax
+
+    total = 0
+    for a in jax.tree.leaves(tree):
+        shape = a.sharding.shard_shape(tuple(a.shape)) if getattr(a, "sharding", None) is not None else a.shape
+        total += int(np.prod(shape)) * np.dtype(a.dtype).itemsize
+    return total
+
+
+def hbm_from_error(message: str) -> int | None:
+    """The available HBM libtpu names in a RESOURCE_EXHAUSTED compile error, in bytes."""
+    return _sized(_HBM.search(message))
+
+
+@functools.lru_cache(maxsize=None)
+def hbm_per_device(name: str) -> tuple[int | None, str]:
+    """``(bytes, source)``: HBM one device of topology ``name`` may use. libtpu gives no memory
+    stats for a device it does not drive, so ask its compiler: a program needing far more than
+    any device has fails naming the figure (to 0.01 GiB). Else :data:`HBM_PER_DEVICE`."""
+    import jax.numpy as jnp
+
+    mesh = tpu_mesh(name)
+    try:
+        compile_for_tpu(lambda x: jnp.zeros((1 << 40,), jnp.int8) + x, [placed((), jnp.int8, mesh)], mesh)
+    except Exception as e:  # noqa: BLE001 - the error is the answer
+        got = hbm_from_error(str(e))
+        if got:
+            return got, "libtpu (compile error of a 1 TiB program)"
+    kind = topology_devices(name)[0].device_kind
+    return HBM_PER_DEVICE.get(kind), f"table for {kind} (sharding/tpu_aot.py HBM_PER_DEVICE)"

@@ -31,6 +31,7 @@ FLOORS = {
     "k3serve.server.api": 8,
     "k3serve.server.bench": 9,
     "k3serve.server.cli_preshard": 9,
+    "k3serve.server.cli_compile": 9,
     "k3serve.server.cli": 10,
     "k3serve.server": 11,  # server/__init__.py
     "k3serve": 12,  # the package's lazy facade (LLM, SamplingParams)

@@ -63,7 +63,12 @@ class Engine:
                  prefix_second_hit: bool = True, prefix_output_end: bool = True,
                  prefix_snapshots: int | None = None, prefix_cache_bytes: int | None = None,
                  prefix_host_bytes: int = 1 << 30, bucket_growth: int = 8, dispatch=None, pd_handoff_bytes: int = 0,
-                 pd_role: str | None = None):
+                 pd_role: str | None = None, abstract: bool = False):
+        """``abstract``: build the engine for compiling only (``aot_build``, ``k3serve compile``):
+        ``model.params`` are ``ShapeDtypeStruct``s already placed on ``devices`` (by the recipe's
+        ``placement_for``, or on ``devices[0]``), the cache and the runner's arrays are made as
+        ``ShapeDtypeStruct``s there too, and nothing is allocated, placed, compiled or run
+        (no warm-up): the programs are lowered from ``self.runner`` and ``self.cache_mgr``."""
         from .dispatch import LocalDispatch
 
         cfg = model.config
@@ -107,9 +112,11 @@ class Engine:
                                   max_num_seqs=max_num_seqs, num_pages=num_pages, dp=dp, dcp=dcp,
                                   snapshot_slots=prefix_snapshots if enable_prefix_caching else 0,
                                   handoff_bytes=pd_handoff_bytes)
-        self.cache_mgr = CacheManager(cfg, self.capacity_plan, model.dtype, allocate=self.par is None,
+        self.cache_mgr = CacheManager(cfg, self.capacity_plan, model.dtype, allocate=self.par is None and not abstract,
                                       dispatch=self.dispatch)
-        if self.par is not None:  # allocated straight into its shards
+        if abstract:
+            self.cache_mgr.device_cache = self._abstract_cache(devices)
+        elif self.par is not None:  # allocated straight into its shards
             import jax
 
             from ...model.cache import Cache, allocate_cache
@@ -131,7 +138,7 @@ class Engine:
         self.runner = Runner(model, self.cache_mgr, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                              max_logprobs=max_logprobs, par=self.par, bucket_growth=bucket_growth,
-                             dispatch=self.dispatch)
+                             dispatch=self.dispatch, abstract=abstract)
         self.requests: dict[str, Request] = {}
         self.broken: BaseException | None = None  # a step failed: the state is half-updated, no more steps
         self._owed: dict[str, Request] = {}  # finished outside a step (abort): final output owed
@@ -148,13 +155,31 @@ class Engine:
         self.step_s = 0.0  # wall time inside step(), host work included
         # "prefill" / "decode": the P/D side this engine serves (its handoff programs are warmed)
         self.pd_role = pd_role if pd_role in ("prefill", "decode") else None
-        if warmup:
+        if warmup and not abstract:
             from .warm_programs import warm_small_programs
 
             t = time.perf_counter()
             self.runner.warmup()
             warm_small_programs(self, self.pd_role)
             self.warmup_s = time.perf_counter() - t
+
+    def _abstract_cache(self, devices):
+        """The device cache as placed ``ShapeDtypeStruct``s: the recipe's cache shardings, or
+        the first of ``devices`` (an abstract engine allocates nothing)."""
+        import jax
+
+        from ...model.cache import Cache, cache_shapes
+
+        p, cfg = self.capacity_plan, self.model.config
+        shapes = cache_shapes(cfg, p.num_slots, p.num_pages, p.page_size, self.model.dtype)
+        if self.par is not None:
+            where = self.par.cache_shardings(cfg.kda_num_heads)
+        else:
+            if not devices:
+                raise ValueError("an abstract engine without a recipe needs devices (its first one holds the cache)")
+            one = jax.sharding.SingleDeviceSharding(list(devices)[0])
+            where = {k: one for k in shapes}
+        return Cache(**{k: jax.ShapeDtypeStruct(s, d, sharding=where[k]) for k, (s, d) in shapes.items()})
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt, params: SamplingParams | None = None) -> list[int]:

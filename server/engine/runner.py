@@ -135,7 +135,10 @@ class InFlight:
 
 class Runner:
     def __init__(self, model, cache_mgr, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 max_logprobs: int = 20, par=None, bucket_growth: int = 8, dispatch=None):
+                 max_logprobs: int = 20, par=None, bucket_growth: int = 8, dispatch=None, abstract: bool = False):
+        """``abstract``: the cache manager's device cache is ``ShapeDtypeStruct``s (compiling for
+        another platform, ``aot_build``): the runner's own arrays (token table, zero tokens) are
+        too, on the cache's devices, and nothing is placed or run."""
         from .dispatch import LocalDispatch
 
         self.model = model
@@ -159,25 +162,35 @@ class Runner:
         self.wait_s = 0.0  # host time blocked waiting for step results
         self.num_steps = 0
         self._step_tokens: dict[int, jax.Array] = {}  # step number -> its sampled tokens (the last two)
-        self._zero_prev = jnp.zeros(R, jnp.int32)
         self.vocab_size = V = model.config.vocab_size
         # token table: row 0 for rows that use none, then one per request that can run at once
         # (a request slot: under attention DP dp * ceil(max_num_seqs / dp), not max_num_seqs)
         rows = cache_mgr.capacity_plan.max_concurrent_slots
-        self.table = jnp.zeros((rows + 1, V), jnp.int32)
+        self.abstract = abstract
         keep = {}  # on a mesh the table stays replicated, call after call
         if par is not None:
             from jax.sharding import NamedSharding, PartitionSpec
 
             keep = {"out_shardings": NamedSharding(par.mesh, PartitionSpec())}
-            self.table = jax.device_put(self.table, keep["out_shardings"])
-            self._zero_prev = jax.device_put(self._zero_prev, keep["out_shardings"])
+        if abstract:  # placed like the cache (replicated on a mesh)
+            where = keep.get("out_shardings") or jax.tree.leaves(cache_mgr.device_cache)[0].sharding
+            self._zero_prev = jax.ShapeDtypeStruct((R,), jnp.int32, sharding=where)
+            self.table = jax.ShapeDtypeStruct((rows + 1, V), jnp.int32, sharding=where)
+        else:
+            self._zero_prev = jnp.zeros(R, jnp.int32)
+            self.table = jnp.zeros((rows + 1, V), jnp.int32)
+            if keep:
+                self.table = jax.device_put(self.table, keep["out_shardings"])
+                self._zero_prev = jax.device_put(self._zero_prev, keep["out_shardings"])
         self._table_row: dict[str, int] = {}
         self._table_free = list(range(rows, 0, -1))
         self._set_row = programs.jit(lambda table, i, row: table.at[i].set(row), "table_row", donate_argnums=(0,),
                                      **keep)
         self.table_inits = 0  # rows built on the host (admissions and re-admissions that need one)
         self._fns: dict = {}  # token bucket -> jitted step
+        # the layers as straight-line code instead of one scan (the same layer code): set by
+        # ``aot_build`` to measure per-layer costs (XLA:TPU's cost analysis counts a loop body once)
+        self.unroll_layers = False
         graphdef = model.graphdef
 
         def fn(params, cache, meta, prev, *, lay: _Layout):
@@ -194,7 +207,7 @@ class Runner:
                            q_lens=col["q_len"], read_slot=col["read_slot"], write_slot=col["write_slot"],
                            fresh=col["fresh"] != 0, page_table=m["table"], logits_idx=col["logits_idx"],
                            snap_row=snap[0], snap_len=snap[1], snap_slot=snap[2])
-            logits, cache = nnx.merge(graphdef, params).step(fb, cache, par=par)
+            logits, cache = nnx.merge(graphdef, params).step(fb, cache, par=par, unroll=self.unroll_layers)
             if par is not None:  # the cache goes out in the layout it came in (warm-up's AOT programs fix it)
                 cache = par.pin_cache(cache)
             return logits, cache, rows
@@ -455,6 +468,8 @@ class Runner:
         rows[:, _COLS.index("logits_idx")] = rows[:, _COLS.index("from_prev")] = -1
         rows[:, _COLS.index("write_slot")] = self.num_slots
         m["snap"][0], m["snap"][2] = -1, self.num_slots
+        if self.abstract:  # placed as ``_run_step``'s ``device_put`` leaves it: wherever the step runs
+            return jax.ShapeDtypeStruct(meta.shape, meta.dtype), self._zero_prev
         return jnp.asarray(meta), self._zero_prev
 
     def warmup(self, workers: int | None = None) -> int:

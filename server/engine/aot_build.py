@@ -1,0 +1,195 @@
+"""The engine's serving programs built from abstract parameters and caches, and compiled for
+another platform (a TPU topology on a CPU host: ``sharding.tpu_aot``) without running anything.
+
+Why: what ``serve`` compiles at warm-up is the truth about a configuration — whether it fits a
+device, what it moves, which collectives it runs — and it can be had before a slice exists.
+So nothing here re-implements a program: the engine is built with ``abstract=True`` (its
+parameters, cache and token table are placed ``ShapeDtypeStruct``s; ``Engine``'s and
+``Runner``'s seam), and each program is the runner's or cache manager's own jitted function,
+lowered on the arguments warm-up would give it (``Runner.warmup``, ``warm_programs``): a step
+program per token bucket, a sampling program per row count (on the step's outputs), the
+token-table row write, the prefix-cache copies, the host-tier reads and loads.
+
+Per-step costs: XLA:TPU's cost analysis counts a loop body once, and the step scans its
+layers, so :func:`decode_costs` compiles the decode step of one-layer (and one two-layer)
+models of each layer kind, layers unrolled, and sums the per-layer differences times each
+kind's layer count.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections import Counter
+
+import numpy as np
+
+from ...checkpoints.loader import abstract_pretrained
+from .engine import Engine
+from .warm_programs import small_program_widths
+
+
+@dataclasses.dataclass
+class Built:
+    """One program: its compiled form (None if it failed), seconds to lower and compile, the error."""
+
+    name: str
+    compiled: object
+    seconds: float
+    error: str | None
+
+
+def abstract_engine(cfg, *, devices, recipe=None, dtype="float32", kernels="reference",
+                    dequantize_experts: bool = False, **engine_kw) -> Engine:
+    """An ``Engine(abstract=True)`` of ``cfg`` on ``devices`` (e.g. a TPU topology's): the
+    parameters as the loader would store them, placed by ``recipe`` (or on ``devices[0]``)."""
+    placement = device = None
+    if recipe is not None:
+        from ...sharding.mesh import build_mesh, placement_for
+        from ...sharding.recipe import Recipe
+
+        r = Recipe.parse(recipe).validate(cfg, num_devices=len(devices))
+        placement = placement_for(build_mesh(r, list(devices)))
+        recipe = r
+    else:
+        device = list(devices)[0]
+    model = abstract_pretrained(cfg, dtype, dequantize_experts=dequantize_experts, placement=placement,
+                                device=device, kernels=kernels)
+    return Engine(model, recipe=recipe, devices=list(devices), abstract=True, warmup=False, **engine_kw)
+
+
+def _sds(shape, dtype=np.int32):
+    import jax
+
+    return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
+
+
+def _attempt(name: str, lower, context, compile: bool = True) -> tuple[Built, object]:
+    """Lower (under ``context``) and compile; ``(Built, what to read out_info from)``."""
+    t = time.perf_counter()
+    lowered = compiled = error = None
+    try:
+        with context():
+            lowered = lower()
+        if compile:
+            compiled = lowered.compile()
+    except Exception as e:  # noqa: BLE001 - a program that fails is a result, not a crash
+        error = f"{type(e).__name__}: {e}"
+    return Built(name, compiled, time.perf_counter() - t, error), (compiled or lowered)
+
+
+def serving_programs(engine, context=contextlib.nullcontext, want=lambda name: True):
+    """Compile every program ``serve`` compiles for ``engine``'s configuration (a unified
+    server: no P/D cut programs); yields a :class:`Built` per program, in warm-up's order.
+    ``want(name)``: False skips a program (a sampler whose step is skipped still lowers it)."""
+    run, mgr = engine.runner, engine.cache_mgr
+    params, cache = engine.model.params, mgr.device_cache
+    samplers = set()
+
+    def attempt(name, lower, compile=True):
+        if not want(name):
+            return None, None
+        return _attempt(name, lower, context, compile)
+
+    for T in run.shape_buckets():
+        R = run.layout(T).R
+        sample = R not in samplers and want(f"sample[R={R}]")
+        name = f"step[T={T}]"
+        built, src = _attempt(name, lambda T=T: run._jit(T).lower(params, cache, *run._padding_args(T)), context,
+                              compile=want(name)) if want(name) or sample else (None, None)
+        if want(name):
+            yield built
+        if R in samplers or not sample:
+            continue
+        samplers.add(R)
+        if src is None:
+            yield Built(f"sample[R={R}]", None, 0.0, "not lowered: its step program did not lower")
+            continue
+        logits, _, rows = src.out_info
+        yield _attempt(f"sample[R={R}]", lambda: run._sample_jit.lower(logits, rows, run.table), context)[0]
+    progs = [("table_row", lambda: run._set_row.lower(run.table, _sds(()), _sds((run.vocab_size,))))]
+    if engine.prefix_cache is not None:
+        for w in mgr.copy_widths:
+            for what in ("pages", "slots"):
+                progs.append((f"cache_{what}[{w}]", lambda what=what, w=w: mgr._program(what).lower(
+                    cache, _sds((w,)), _sds((w,)))))
+    for name, lower in progs:
+        built, _ = attempt(name, lower)
+        if built is not None:
+            yield built
+    widths = small_program_widths(engine, None)
+    for w in sorted(set(widths["read"]) | set(widths["load"])):
+        load = w in widths["load"] and want(f"cache_load[{w}]")
+        name = f"cache_read[{w}]"
+        built, src = _attempt(name, lambda w=w: mgr._program("read").lower(cache, _sds(()), _sds((w,))), context,
+                              compile=want(name)) if want(name) or load else (None, None)
+        if want(name):
+            yield built
+        if load:
+            if src is None:
+                yield Built(f"cache_load[{w}]", None, 0.0, "not lowered: its read program did not lower")
+                continue
+            state, conv, rows = src.out_info
+            yield _attempt(f"cache_load[{w}]", lambda w=w, st=state, cv=conv, rw=rows: mgr._program("load").lower(
+                cache, _sds((w,)), _sds((w,)), rw, _sds(()), _sds(()), st, cv), context)[0]
+
+
+def decode_bucket(engine) -> int:
+    """The token bucket of a decode step with one token per row at ``max_num_seqs`` rows."""
+    run = engine.runner
+    return next((b for b in run.token_buckets if b >= run.group_rows), run.token_buckets[-1])
+
+
+def layer_kinds(cfg) -> Counter:
+    """``{(attention type, is MoE): layers}`` of ``cfg``."""
+    return Counter((cfg.layer_types[l], bool(cfg.is_moe_layer(l))) for l in range(cfg.num_hidden_layers))
+
+
+def kinds_config(cfg, kinds):
+    """``cfg`` cut to one layer per entry of ``kinds`` (dense-MLP layers first, as the config's
+    ``first_k_dense_replace`` puts them), same widths."""
+    kinds = sorted(kinds, key=lambda k: k[1])  # stable: the dense layers first
+    return cfg.replace(num_hidden_layers=len(kinds), layer_types=tuple(a for a, _ in kinds),
+                       first_k_dense_replace=sum(1 for _, moe in kinds if not moe), moe_layer_freq=1)
+
+
+def _label(kind) -> str:
+    return f"{kind[0]}+{'moe' if kind[1] else 'mlp'}"
+
+
+def decode_costs(build, cfg, T: int, context=contextlib.nullcontext, log=None) -> dict:
+    """Per-step cost of the decode step (bucket ``T``), summed over layers. The decode step of
+    ``build(cfg_variant)`` (an abstract engine of the same flags) is compiled with its layers
+    unrolled for an anchor model (one layer of each attention type: a recipe's DCP needs an
+    MLA layer) and for the anchor plus one layer of each kind; the differences are the
+    per-layer costs, the anchor less its layers the rest of the step.
+    ``{"flops", "bytes_accessed", "collectives", "per_layer": {kind: {...}}, "base": {...},
+    "programs": [Built]}`` (None figures where a program failed)."""
+    from ...sharding import tpu_aot
+
+    kinds = layer_kinds(cfg)
+    anchor = [max((k for k in kinds if k[0] == a), key=kinds.get) for a in dict.fromkeys(cfg.layer_types)]
+    variants = [("anchor", anchor)] + [(_label(k), anchor + [k]) for k in kinds]
+    figures, programs = {}, []
+    keys = ("flops", "bytes_accessed", "collectives")
+    for label, layers in variants:
+        eng = build(kinds_config(cfg, layers))
+        eng.runner.unroll_layers = True
+        run = eng.runner
+        built, _ = _attempt(f"decode_layers[{' '.join(_label(k) for k in layers)}]",
+                            lambda: run._jit(T).lower(eng.model.params, eng.cache_mgr.device_cache,
+                                                      *run._padding_args(T)), context)
+        programs.append(built)
+        if log:
+            log(built)
+        if built.compiled is None:
+            return {"flops": None, "bytes_accessed": None, "collectives": None, "per_layer": {}, "base": None,
+                    "programs": programs}
+        c = tpu_aot.cost(built.compiled)
+        c["collectives"] = sum(tpu_aot.collectives(built.compiled).values())
+        figures[label] = c
+    per_layer = {k: {f: figures[_label(k)][f] - figures["anchor"][f] for f in keys} for k in kinds}
+    base = {f: figures["anchor"][f] - sum(per_layer[k][f] for k in anchor) for f in keys}
+    total = {f: base[f] + sum(kinds[k] * per_layer[k][f] for k in kinds) for f in keys}
+    return {**total, "base": base, "per_layer": {_label(k): {"layers": kinds[k], **per_layer[k]} for k in kinds},
+            "programs": programs}

@@ -1,0 +1,91 @@
+"""``k3serve compile`` end to end: a small K3's serving programs compiled for an 8-device
+tpu7x topology (``tpu7x:2x2x1``) under a recipe, through the CLI entry point, with --json.
+
+Why: the command is how a configuration is checked against a TPU before a slice exists;
+its JSON is what CI reads. These tests need libtpu (the ``tpu`` extra) and fail, not skip,
+without it (``tpu_aot.require_libtpu``). Reference kernels: the Pallas backend under a
+recipe is another change's work (issue #33 item 3).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from k3serve.checkpoints.synthetic import k3_config
+from k3serve.server.cli import main
+from k3serve.sharding import tpu_aot
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+@pytest.fixture(scope="module")
+def small_config(tmp_path_factory):
+    """A 4-layer K3 (MLA at the last layer, layer 0 dense, MXFP4 experts) whose 8 heads split
+    over an 8-device attention group."""
+    tpu_aot.require_libtpu()
+    cfg = k3_config(vocab_size=512, hidden_size=64, num_hidden_layers=4, full_attn_layers=[4], kda_num_heads=8,
+                    kda_head_dim=16, mla_heads=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                    qk_rope_head_dim=16, v_head_dim=16, num_experts=16, num_experts_per_token=4,
+                    num_shared_experts=1, moe_intermediate_size=32, routed_expert_hidden_size=64,
+                    intermediate_size=96, attn_res_block_size=2)
+    path = tmp_path_factory.mktemp("compile") / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def _compile(path, tmp_path, *flags):
+    out = tmp_path / "report.json"
+    rc = main(["compile", "--topology", "tpu7x:2x2x1", "--model", str(path), "--kernels", "reference",
+               "--json", str(out), *flags])
+    return rc, json.loads(out.read_text())
+
+
+def test_small_k3_compiles_every_serving_program_under_a_recipe(small_config, tmp_path, capsys):
+    rc, rep = _compile(small_config, tmp_path, "--recipe", "ep=4,tp=2,dcp=8", "--max-num-seqs", "4",
+                       "--max-num-batched-tokens", "4", "--max-model-len", "128", "--prefix-host-gb", "0",
+                       "--no-decode-costs")
+    assert rc == 0, [p["error"] for p in rep["programs"] if not p["ok"]]
+    assert rep["ok"] and rep["devices"] == 8 and rep["topology"] == "tpu7x:2x2x1" and rep["kernels"] == "reference"
+    names = [p["name"] for p in rep["programs"]]
+    # a step per token bucket (1, the row count), a sampler per row count, the table row, the
+    # prefix-cache copies
+    for want in ("step[T=1]", "step[T=4]", "sample[R=1]", "sample[R=4]", "table_row", "cache_pages[1]",
+                 "cache_slots[1]"):
+        assert want in names
+    for p in rep["programs"]:
+        assert p["ok"] and p["error"] is None and p["compile_s"] > 0
+        m = p["bytes_per_device"]
+        assert m["argument"] > 0 and m["code"] > 0 and p["bytes_accessed"] > 0
+    step = next(p for p in rep["programs"] if p["name"] == "step[T=4]")
+    assert step["flops"] > 0 and step["collectives"].get("ragged-all-to-all", 0) > 0  # EP dispatch on TPU
+    assert rep["hbm_per_device"] == int(94.75 * 2**30)  # libtpu's figure for a v7x device
+    pd = rep["per_device_bytes"]
+    assert 0 < pd["plan"] < pd["compiler"] < rep["hbm_per_device"]
+    assert rep["fits"] is True and "fits a device" in capsys.readouterr().out
+    d = rep["decode"]
+    assert d["bucket"] == 4 and d["plan_bytes"] > 0 and d["bytes_accessed"] is None  # --no-decode-costs
+
+
+@pytest.mark.slow  # four more programs (~50 s on 2 cores)
+def test_decode_step_costs_are_summed_over_layers(small_config, tmp_path):
+    rc, rep = _compile(small_config, tmp_path, "--recipe", "ep=4,tp=2,dcp=8", "--max-num-seqs", "4",
+                       "--max-num-batched-tokens", "4", "--max-model-len", "128", "--only", "decode")
+    assert rc == 0, [p["error"] for p in rep["programs"] if not p["ok"]]
+    assert [p["name"] for p in rep["programs"]] == [  # the anchor (one layer per attention type), + each kind
+        "decode_layers[kda+moe mla+moe]", "decode_layers[kda+moe mla+moe kda+mlp]",
+        "decode_layers[kda+moe mla+moe kda+moe]", "decode_layers[kda+moe mla+moe mla+moe]"]
+    d = rep["decode"]
+    assert set(d["per_layer"]) == {"kda+mlp", "kda+moe", "mla+moe"}
+    assert d["per_layer"]["kda+moe"]["layers"] == 2  # layers 1, 2 (0 is dense, 3 is MLA)
+    for f in d["per_layer"].values():
+        assert f["bytes_accessed"] > 0 and f["flops"] > 0 and f["collectives"] > 0
+    assert d["bytes_accessed"] > max(f["bytes_accessed"] for f in d["per_layer"].values())
+    assert d["plan_bytes"] > 0 and d["collectives"] > 0
+
+
+def test_a_recipe_the_topology_cannot_hold_fails_with_its_error(small_config, tmp_path):
+    rc, rep = _compile(small_config, tmp_path, "--recipe", "ep=8,tp=2")  # 16 devices on 8
+    assert rc == 1 and rep["ok"] is False
+    assert "16" in rep["error"] and "8" in rep["error"]
