@@ -15,10 +15,10 @@ def plan_figures(cfg, recipe, *, dtype: str, max_num_seqs: int, max_model_len: i
     requests at ``max_model_len`` tokens with their snapshot slots per attention DP group) and
     its decode step (one token per row, ``max_num_seqs`` rows): HBM bytes and collectives."""
     from .memory import param_inventory, plan_memory
-    from .roofline import step_cost
+    from .roofline import TPU7X, step_cost
 
     inv = param_inventory(cfg, dtype)
-    hbm_gb = (hbm_bytes or 192e9) / 1e9
+    hbm_gb = hbm_bytes / 1e9 if hbm_bytes else TPU7X.hbm_gb
     per_req = snapshots / max_num_seqs if max_num_seqs else 0.0
     mem = plan_memory(cfg, recipe, inv, context_len=max_model_len, hbm_gb=hbm_gb, usable_fraction=1.0,
                       snapshots_per_request=per_req)
