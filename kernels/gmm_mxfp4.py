@@ -170,6 +170,8 @@ def pad_scales(scale):
     if G == Gp:
         return scale
     widths = [(0, 0)] * (scale.ndim - 1) + [(0, Gp - G)]
+    if isinstance(scale, jax.core.Tracer):  # inside a jit (a placed repack): its out_shardings place it
+        return jnp.pad(scale, widths)
     if isinstance(scale, jax.Array):
         return jax.jit(lambda s: jnp.pad(s, widths), out_shardings=scale.sharding)(scale)
     return np.pad(scale, widths)
