@@ -82,6 +82,7 @@ checked in interpret mode (race detector) and the compile by ``tests/test_tpu_ao
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -483,7 +484,11 @@ def mla_ragged_attention_kernel(q_lat, q_rope, new_rows, kv_pool, layer, page_ta
     QB = max(1, min(int(blocks[1]), T))
     bp = max(1, min(int(blocks[2]), P))
     Pb = -(-P // bp) * bp
-    CH = Pb if Pb <= table_chunk else -(-int(table_chunk) // bp) * bp  # a block never straddles two chunks
+    # a chunk: whole kv blocks (a block never straddles two) and whole 128-lane rows of int32
+    # (Mosaic's DMA moves 512-byte multiples; a short table is padded up to one chunk); a
+    # table_chunk under 128 (interpret-mode tests of several chunks) drops the lane rule
+    unit = math.lcm(bp, 128) if table_chunk >= 128 else bp
+    CH = -(-min(Pb, int(table_chunk)) // unit) * unit
     NC = -(-Pb // CH)
     table = page_table.astype(i32)
     if page_ordinals is None:

@@ -56,6 +56,17 @@ def mla_write_attend(q_lat, q_rope, rows, kv_pool, layer, page_table, tok_row, p
     return (out, lse, kv_pool) if return_lse else (out, kv_pool)
 
 
+def kda_kernels_fit(head_dim: int, backend: str) -> bool:
+    """Whether the KDA kernels take heads of ``head_dim`` on ``backend``. Compiled by Mosaic
+    ("pallas") they need whole 128-lane heads: a block's conv-window columns are DMA'd
+    per head, and a 64-wide column slice of the pool does not lower ("Source and target
+    leading tiles have different trailing dimensions", tpu7x, the demo model's 64-wide heads).
+    K3's heads are 128 wide. Interpret mode takes any width. A model whose heads do not fit
+    runs its KDA layers on the reference path (``model/k3.py``); MLA and the experts keep
+    their kernels."""
+    return backend != "pallas" or head_dim % 128 == 0
+
+
 def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool, layer,
                        tok_row, cu_q_lens, q_lens, start_pos, read_slot, write_slot, fresh, snap_row, snap_len,
                        snap_slot, *, lower_bound, eps, backend: str):
@@ -69,6 +80,7 @@ def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_nor
 
 
 __all__ = [
+    "kda_kernels_fit",
     "kda_chunked",
     "kda_recurrent",
     "kda_ragged",

@@ -251,7 +251,7 @@ class KimiLM(nnx.Module):
         # switches (``ops.kda_layer_on_pools``): nothing is gathered before the stack or
         # scattered after it. Under a recipe it runs per rank on the rank's slots and heads
         # (``StepParallel.kda_layer_on_pools``).
-        fused_kda = bool(kda_idx) and cfg.kernels != "reference"
+        fused_kda = bool(kda_idx) and cfg.kernels != "reference" and ops.kda_kernels_fit(cfg.kda_head_dim, cfg.kernels)
         if kda_idx and not fused_kda:
             conv_rows = jnp.where(fb.fresh[None, :, None, None], 0.0, take(cache.kda_conv, fb.read_slot))
             state_rows = jnp.where(fb.fresh[None, :, None, None, None], 0.0, take(cache.kda_state, fb.read_slot))

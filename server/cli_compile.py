@@ -83,7 +83,7 @@ def engine_kwargs(args) -> dict:
 
 def _failed(name: str, error: str, seconds: float = 0.0) -> dict:
     return {"name": name, "ok": False, "error": error, "compile_s": round(seconds, 3), "bytes_per_device": None,
-            "flops": None, "bytes_accessed": None, "collectives": {}}
+            "flops": None, "bytes_accessed": None, "collectives": {}, "kernels": {}}
 
 
 def _entry(built) -> dict:

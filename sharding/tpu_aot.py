@@ -165,11 +165,28 @@ def scoped_vmem(compiled) -> list[dict]:
     return out
 
 
+_KERNEL = re.compile(r'custom_call_target="tpu_custom_call".*?op_name="[^"]*?jit\((\w+)\)/pallas_call')
+
+
+def kernels(compiled) -> dict[str, int]:
+    """Mosaic kernels (``tpu_custom_call``) in the compiled program, by the kernel function's
+    name (``kda_decode``, ``mla_ragged_attention_kernel``, ``mxfp4_gmm``, ...): the Pallas
+    backend really ran through Mosaic, and which kernels a program calls (a loop body counts
+    once)."""
+    n = collections.Counter()
+    for line in compiled.as_text().splitlines():
+        m = _KERNEL.search(line)
+        if m:
+            n[m.group(1)] += 1
+    return dict(n)
+
+
 def program_report(name: str, compiled, seconds: float) -> dict:
     """The fields ``k3serve compile`` prints and writes for one compiled program."""
     mem = memory(compiled)
     return {"name": name, "ok": True, "error": None, "compile_s": round(seconds, 3),
-            "bytes_per_device": mem, **cost(compiled), "collectives": collectives(compiled)}
+            "bytes_per_device": mem, **cost(compiled), "collectives": collectives(compiled),
+            "kernels": kernels(compiled)}
 
 
 # HBM per device by device kind, where libtpu does not say: v7x from libtpu 0.0.42.1's own

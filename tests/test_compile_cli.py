@@ -1,10 +1,11 @@
 """``k3serve compile`` end to end: a small K3's serving programs compiled for an 8-device
-tpu7x topology (``tpu7x:2x2x1``) under a recipe, through the CLI entry point, with --json.
+tpu7x topology (``tpu7x:2x2x1``) under a recipe, through the CLI entry point, with --json;
+with the reference kernels and with the Pallas kernels through Mosaic (the demo model, and a
+small K3 at K3's head widths where all four kernels run).
 
 Why: the command is how a configuration is checked against a TPU before a slice exists;
 its JSON is what CI reads. These tests need libtpu (the ``tpu`` extra) and fail, not skip,
-without it (``tpu_aot.require_libtpu``). Reference kernels: the Pallas backend under a
-recipe is another change's work (issue #33 item 3).
+without it (``tpu_aot.require_libtpu``).
 """
 from __future__ import annotations
 
@@ -35,11 +36,15 @@ def small_config(tmp_path_factory):
     return path
 
 
-def _compile(path, tmp_path, *flags):
+def _compile(path, tmp_path, *flags, kernels="reference"):
     out = tmp_path / "report.json"
-    rc = main(["compile", "--topology", "tpu7x:2x2x1", "--model", str(path), "--kernels", "reference",
+    rc = main(["compile", "--topology", "tpu7x:2x2x1", "--model", str(path), "--kernels", kernels,
                "--json", str(out), *flags])
     return rc, json.loads(out.read_text())
+
+
+_SMALL_ENGINE = ("--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--max-model-len", "512",
+                 "--prefix-host-gb", "0", "--no-decode-costs")
 
 
 def test_small_k3_compiles_every_serving_program_under_a_recipe(small_config, tmp_path, capsys):
@@ -89,3 +94,40 @@ def test_a_recipe_the_topology_cannot_hold_fails_with_its_error(small_config, tm
     rc, rep = _compile(small_config, tmp_path, "--recipe", "ep=8,tp=2")  # 16 devices on 8
     assert rc == 1 and rep["ok"] is False
     assert "16" in rep["error"] and "8" in rep["error"]
+
+
+def test_demo_model_with_pallas_kernels_compiles_under_attention_dp(tmp_path):
+    """The demo model (``make serve``'s) under ``test-8-dp2`` with the Pallas backend, through
+    Mosaic: its step programs compile and call the MLA and grouped-matmul kernels. Its KDA
+    heads are 64 wide (the kernels need 128-lane heads: ``ops.kda_kernels_fit``), so its KDA
+    layers run the reference path. Under attention DP the smallest token bucket is 2 per
+    group: a one-token group failed XLA:TPU with a RET_CHECK."""
+    tpu_aot.require_libtpu()
+    rc, rep = _compile("demo", tmp_path, "--recipe", "test-8-dp2", *_SMALL_ENGINE, "--only", "^step", kernels="pallas")
+    assert rc == 0, [p["error"] for p in rep["programs"] if not p["ok"]]
+    assert rep["kernels"] == "pallas" and rep["fits"] is True
+    steps = {p["name"]: p for p in rep["programs"]}
+    assert set(steps) == {"step[T=2]", "step[T=16]"}  # tokens per DP group; no one-token bucket
+    for p in steps.values():
+        assert set(p["kernels"]) == {"mxfp4_gmm", "mla_ragged_attention_kernel"}, p["kernels"]
+
+
+def test_k3_head_widths_compile_all_four_kernels_under_a_recipe(tmp_path):
+    """A 4-layer K3 at the release's head widths (KDA 128, MLA latent 512 + rope 64, 128-wide
+    experts) on 8 devices (EP4 x TP2, DCP8), one head per rank: the step program calls all four
+    Mosaic kernels; its page table (8 pages a row) is fetched into SMEM as one 128-column chunk
+    (Mosaic's DMAs move multiples of 512 bytes)."""
+    tpu_aot.require_libtpu()
+    cfg = k3_config(vocab_size=512, hidden_size=256, num_hidden_layers=4, full_attn_layers=[4], kda_num_heads=8,
+                    kda_head_dim=128, mla_heads=8, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128,
+                    qk_rope_head_dim=64, v_head_dim=128, num_experts=16, num_experts_per_token=4,
+                    num_shared_experts=1, moe_intermediate_size=128, routed_expert_hidden_size=256,
+                    intermediate_size=256, attn_res_block_size=2)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rc, rep = _compile(path, tmp_path, "--recipe", "ep=4,tp=2,dcp=8", *_SMALL_ENGINE, "--only", r"^step\[T=4\]",
+                       kernels="pallas")
+    assert rc == 0, [p["error"] for p in rep["programs"] if not p["ok"]]
+    (step,) = rep["programs"]
+    assert step["name"] == "step[T=4]"
+    assert set(step["kernels"]) == {"mxfp4_gmm", "mla_ragged_attention_kernel", "kda_decode", "kda_prefill"}

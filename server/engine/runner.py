@@ -150,7 +150,7 @@ class Runner:
         self.group_rows = cdiv(max_num_seqs, dp)  # rows per DP group
         self.R = R = dp * self.group_rows  # the most rows a step has (its sampled tokens are kept at this size)
         # tokens per DP group: a group may carry the whole budget
-        self.token_buckets = token_buckets(max_num_batched_tokens, self.group_rows, bucket_growth)
+        self.token_buckets = token_buckets(max_num_batched_tokens, self.group_rows, bucket_growth, 2 if dp > 1 else 1)
         self.page_width = cdiv(max_model_len, self.page_size)
         self.num_slots = cache_mgr.capacity_plan.num_slots
         self.buckets_used: set[int] = set()  # token buckets launched
