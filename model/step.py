@@ -103,21 +103,16 @@ def unflatten(x, index):
     return jnp.where(mask, got, jnp.zeros((), x.dtype))
 
 
-def token_buckets(budget: int, rows: int = 1, growth: int = 8, smallest: int = 1) -> list[int]:
-    """Token-count buckets (one compiled program each): ``smallest`` (1: a lone decode row),
-    the row count rounded up to a power of two (every row decoding), that times powers of
-    ``growth`` (steps with prefill chunks), then the budget itself as the largest (a step is
-    never padded past ``max_num_batched_tokens``). 4 rows, budget 256: 1, 4, 32, 256.
-
-    ``smallest=2`` under attention DP (buckets count tokens per DP group): a one-token group
-    leaves a token dimension of one per shard, which XLA:TPU's partitioned program fails on
-    (a RET_CHECK after layout assignment, "s32[R] is not compatible with s32[]")."""
+def token_buckets(budget: int, rows: int = 1, growth: int = 8) -> list[int]:
+    """Token-count buckets (one compiled program each): 1 (a lone decode row), the row count
+    rounded up to a power of two (every row decoding), that times powers of ``growth`` (steps
+    with prefill chunks), then the budget itself as the largest (a step is never padded past
+    ``max_num_batched_tokens``). 4 rows, budget 256: 1, 4, 32, 256."""
     if growth < 2:
         raise ValueError(f"bucket growth must be >= 2, got {growth}")
-    smallest = max(1, min(int(smallest), int(budget)))
-    out, b = [smallest], 1 << max(0, int(rows) - 1).bit_length()
-    while b <= smallest:
-        b = growth if b == 1 else b * growth
+    out, b = [1], 1 << max(0, int(rows) - 1).bit_length()
+    if b == 1:
+        b = growth
     while b < budget:
         out.append(b)
         b *= growth

@@ -8,8 +8,9 @@ before either. Run it with the slice's topology before ``serve`` (docs/compile.m
     k3serve compile --topology tpu7x:2x2x4 --recipe v7-32-decode --model k3 \\
         [--kernels pallas|reference] [serve's engine flags] [--json OUT]
 
-``--model``: a checkpoint directory, a pre-shard, a ``config.json``, ``demo``, or ``k3`` (the
-released config; its default dtype is bfloat16, the others' serve's float32). The engine is
+``--model``: a checkpoint directory, a pre-shard, a ``config.json``, ``demo``, ``k3`` (the
+released config) or ``k3@L`` (the release's widths at L layers: how compile time scales with
+depth); the K3 ones default to bfloat16, the others to serve's float32. The engine is
 built abstractly (``server.engine.aot_build``); the planner's side is
 ``sharding.compile_report``. Exit status 0 when every program compiled, 1 otherwise, 2 on a
 usage error.
@@ -29,11 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3serve compile", description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", required=True, help="TPU topology, e.g. tpu7x:2x2x4 (32 devices, 16 chips)")
     p.add_argument("--recipe", default=None, help="parallelism recipe, as serve's (default: one device)")
-    p.add_argument("--model", required=True, help="checkpoint dir, pre-shard, config.json, 'demo' or 'k3'")
+    p.add_argument("--model", required=True,
+                   help="checkpoint dir, pre-shard, config.json, 'demo', 'k3' or 'k3@L' (K3's widths, L layers)")
     p.add_argument("--kernels", choices=["pallas", "reference"], default="pallas",
                    help="kernel backend (default pallas: serve's on a TPU)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="parameter dtype (default: bfloat16 for 'k3', else serve's float32)")
+                   help="parameter dtype (default: bfloat16 for 'k3' and 'k3@L', else serve's float32)")
     p.add_argument("--dequantize-experts", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
@@ -54,11 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def model_config(spec: str):
-    """``(K3Config, label)`` of ``--model``: 'k3', 'demo', a config.json, or a checkpoint dir."""
+    """``(K3Config, label)`` of ``--model``: 'k3', 'k3@L', 'demo', a config.json, or a checkpoint dir."""
     from ..model.config import K3Config, k3_full
 
     if spec == "k3":
         return k3_full(), "k3 (released config)"
+    if spec.startswith("k3@"):  # the release's widths at another depth (compile-time scaling, issue #33 item 5)
+        import dataclasses
+
+        from ..model.config import release_layer_types
+
+        L = int(spec[3:])
+        return (dataclasses.replace(k3_full(), num_hidden_layers=L, layer_types=release_layer_types(L)),
+                f"k3 widths, {L} layers")
     if spec == "demo":
         from ..demo import demo_checkpoint
 
@@ -105,7 +115,7 @@ def run(args, log=print) -> dict:
     try:
         tpu_aot.require_libtpu()
         cfg, rep["model"] = model_config(args.model)
-        rep["dtype"] = dtype = args.dtype or ("bfloat16" if args.model == "k3" else "float32")
+        rep["dtype"] = dtype = args.dtype or ("bfloat16" if args.model.split("@")[0] == "k3" else "float32")
         devices = tpu_aot.topology_devices(args.topology)
         rep["devices"] = len(devices)
         rep["hbm_per_device"], rep["hbm_source"] = tpu_aot.hbm_per_device(args.topology)

@@ -100,14 +100,15 @@ def test_demo_model_with_pallas_kernels_compiles_under_attention_dp(tmp_path):
     """The demo model (``make serve``'s) under ``test-8-dp2`` with the Pallas backend, through
     Mosaic: its step programs compile and call the MLA and grouped-matmul kernels. Its KDA
     heads are 64 wide (the kernels need 128-lane heads: ``ops.kda_kernels_fit``), so its KDA
-    layers run the reference path. Under attention DP the smallest token bucket is 2 per
-    group: a one-token group failed XLA:TPU with a RET_CHECK."""
+    layers run the reference path. The one-token step is the one that failed XLA:TPU's
+    reduce-scatter legalizer (a RET_CHECK) while the step's metadata went in unplaced: the
+    partitioner split its row columns one per shard (the runner now places it replicated)."""
     tpu_aot.require_libtpu()
     rc, rep = _compile("demo", tmp_path, "--recipe", "test-8-dp2", *_SMALL_ENGINE, "--only", "^step", kernels="pallas")
     assert rc == 0, [p["error"] for p in rep["programs"] if not p["ok"]]
     assert rep["kernels"] == "pallas" and rep["fits"] is True
     steps = {p["name"]: p for p in rep["programs"]}
-    assert set(steps) == {"step[T=2]", "step[T=16]"}  # tokens per DP group; no one-token bucket
+    assert set(steps) == {"step[T=1]", "step[T=2]", "step[T=16]"}  # tokens per DP group
     for p in steps.values():
         assert set(p["kernels"]) == {"mxfp4_gmm", "mla_ragged_attention_kernel"}, p["kernels"]
 

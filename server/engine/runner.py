@@ -150,7 +150,7 @@ class Runner:
         self.group_rows = cdiv(max_num_seqs, dp)  # rows per DP group
         self.R = R = dp * self.group_rows  # the most rows a step has (its sampled tokens are kept at this size)
         # tokens per DP group: a group may carry the whole budget
-        self.token_buckets = token_buckets(max_num_batched_tokens, self.group_rows, bucket_growth, 2 if dp > 1 else 1)
+        self.token_buckets = token_buckets(max_num_batched_tokens, self.group_rows, bucket_growth)
         self.page_width = cdiv(max_model_len, self.page_size)
         self.num_slots = cache_mgr.capacity_plan.num_slots
         self.buckets_used: set[int] = set()  # token buckets launched
@@ -182,6 +182,10 @@ class Runner:
             if keep:
                 self.table = jax.device_put(self.table, keep["out_shardings"])
                 self._zero_prev = jax.device_put(self._zero_prev, keep["out_shardings"])
+        # the step's metadata goes in replicated on a mesh: left to the partitioner, XLA:TPU
+        # split the row columns across devices (one row index per shard) and its
+        # reduce-scatter legalizer then failed (a RET_CHECK; v7-32-prefill at 4 rows)
+        self._meta_sharding = keep.get("out_shardings")
         self._table_row: dict[str, int] = {}
         self._table_free = list(range(rows, 0, -1))
         self._set_row = programs.jit(lambda table, i, row: table.at[i].set(row), "table_row", donate_argnums=(0,),
@@ -370,7 +374,7 @@ class Runner:
             raise RuntimeError(f"step {prev_step}'s tokens are gone (only {sorted(self._step_tokens)} are kept)")
         fn = self._compiled.get(T) or self._jit(T)
         logits, self.cache_mgr.device_cache, rows_dev = fn(
-            self.model.params, self.cache_mgr.device_cache, jax.device_put(meta), prev_tokens)
+            self.model.params, self.cache_mgr.device_cache, jax.device_put(meta, self._meta_sharding), prev_tokens)
         out, tokens, self.table = self._sampler(self.layout(T).R)(logits, rows_dev, self.table)
         self.num_steps += 1
         self._step_tokens[self.num_steps] = tokens
@@ -469,8 +473,8 @@ class Runner:
         rows[:, _COLS.index("write_slot")] = self.num_slots
         m["snap"][0], m["snap"][2] = -1, self.num_slots
         if self.abstract:  # placed as ``_run_step``'s ``device_put`` leaves it: wherever the step runs
-            return jax.ShapeDtypeStruct(meta.shape, meta.dtype), self._zero_prev
-        return jnp.asarray(meta), self._zero_prev
+            return jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=self._meta_sharding), self._zero_prev
+        return jax.device_put(meta, self._meta_sharding), self._zero_prev
 
     def warmup(self, workers: int | None = None) -> int:
         """Compile every token bucket's step and each row count's sampling ahead of time;
