@@ -21,19 +21,24 @@ from k3serve.sharding import tpu_aot
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
+def _write_config(directory, **widths):
+    """A 4-layer K3 (MLA at the last layer, layer 0 dense, MXFP4 experts) whose 8 heads split
+    over an 8-device attention group, small widths unless ``widths`` says otherwise; its
+    config.json path."""
+    base = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, full_attn_layers=[4], kda_num_heads=8,
+                kda_head_dim=16, mla_heads=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=16, v_head_dim=16, num_experts=16, num_experts_per_token=4,
+                num_shared_experts=1, moe_intermediate_size=32, routed_expert_hidden_size=64,
+                intermediate_size=96, attn_res_block_size=2)
+    path = directory / "config.json"
+    path.write_text(json.dumps(k3_config(**{**base, **widths})))
+    return path
+
+
 @pytest.fixture(scope="module")
 def small_config(tmp_path_factory):
-    """A 4-layer K3 (MLA at the last layer, layer 0 dense, MXFP4 experts) whose 8 heads split
-    over an 8-device attention group."""
     tpu_aot.require_libtpu()
-    cfg = k3_config(vocab_size=512, hidden_size=64, num_hidden_layers=4, full_attn_layers=[4], kda_num_heads=8,
-                    kda_head_dim=16, mla_heads=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-                    qk_rope_head_dim=16, v_head_dim=16, num_experts=16, num_experts_per_token=4,
-                    num_shared_experts=1, moe_intermediate_size=32, routed_expert_hidden_size=64,
-                    intermediate_size=96, attn_res_block_size=2)
-    path = tmp_path_factory.mktemp("compile") / "config.json"
-    path.write_text(json.dumps(cfg))
-    return path
+    return _write_config(tmp_path_factory.mktemp("compile"))
 
 
 def _compile(path, tmp_path, *flags, kernels="reference"):
@@ -119,13 +124,9 @@ def test_k3_head_widths_compile_all_four_kernels_under_a_recipe(tmp_path):
     Mosaic kernels; its page table (8 pages a row) is fetched into SMEM as one 128-column chunk
     (Mosaic's DMAs move multiples of 512 bytes)."""
     tpu_aot.require_libtpu()
-    cfg = k3_config(vocab_size=512, hidden_size=256, num_hidden_layers=4, full_attn_layers=[4], kda_num_heads=8,
-                    kda_head_dim=128, mla_heads=8, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128,
-                    qk_rope_head_dim=64, v_head_dim=128, num_experts=16, num_experts_per_token=4,
-                    num_shared_experts=1, moe_intermediate_size=128, routed_expert_hidden_size=256,
-                    intermediate_size=256, attn_res_block_size=2)
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
+    path = _write_config(tmp_path, hidden_size=256, kda_head_dim=128, q_lora_rank=128, kv_lora_rank=512,
+                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=128,
+                         routed_expert_hidden_size=256, intermediate_size=256)
     rc, rep = _compile(path, tmp_path, "--recipe", "ep=4,tp=2,dcp=8", *_SMALL_ENGINE, "--only", r"^step\[T=4\]",
                        kernels="pallas")
     assert rc == 0, [p["error"] for p in rep["programs"] if not p["ok"]]

@@ -472,7 +472,7 @@ class Runner:
         rows[:, _COLS.index("logits_idx")] = rows[:, _COLS.index("from_prev")] = -1
         rows[:, _COLS.index("write_slot")] = self.num_slots
         m["snap"][0], m["snap"][2] = -1, self.num_slots
-        if self.abstract:  # placed as ``_run_step``'s ``device_put`` leaves it: wherever the step runs
+        if self.abstract:  # placed as ``_run_step`` places it: replicated on a mesh
             return jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=self._meta_sharding), self._zero_prev
         return jax.device_put(meta, self._meta_sharding), self._zero_prev
 
