@@ -2,7 +2,9 @@
 
 Layouts (allocated here; the engine's ``CacheManager`` holds the live arrays as ``device_cache``):
   kda_state [nK, slots, H, dk, dv] float32   recurrent state per KDA layer and slot, S[k, v]
-  kda_conv  [nK, slots, W-1, 3P]   float32   last W-1 raw q|k|v projections, oldest first
+  kda_conv  [nK, slots, W-1, 3P]   float32   last W-1 raw q|k|v projections, oldest first;
+                                             channels q|k|v, or rank-major when the KDA heads
+                                             are split over G ranks (``conv_rank_major``)
   mla_kv    [nM, pages, page_size, kv_lora_rank + rope] (model dtype)   latent rows
 
 A running sequence owns one slot (``slot_ids``) and the pages listed in its row of
@@ -51,6 +53,37 @@ class StepBatch:
     seq_lens: jax.Array  # [B] valid new tokens in this row (0..T)
     slot_ids: jax.Array  # [B] KDA state slot of the row
     page_table: jax.Array  # [B, max_pages] MLA pages of the row, in order
+
+
+def conv_rank_major(x, groups: int):
+    """Conv-window channels (last axis, ``3P``) from the logical order ``q | k | v`` to the
+    rank-major order of a pool whose KDA heads are split over ``groups`` ranks: block ``j``
+    holds ``q_j | k_j | v_j`` (rank ``j``'s heads of each), so a rank's shard of the channel
+    axis is exactly what its KDA kernels read. ``groups == 1``: unchanged."""
+    if groups == 1:
+        return x
+    C = x.shape[-1]
+    v = x.reshape(x.shape[:-1] + (3, groups, C // (3 * groups)))
+    return jnp.swapaxes(v, -3, -2).reshape(x.shape)
+
+
+def conv_logical(x, groups: int):
+    """The inverse of :func:`conv_rank_major`: rank-major channels back to ``q | k | v``."""
+    if groups == 1:
+        return x
+    C = x.shape[-1]
+    v = x.reshape(x.shape[:-1] + (groups, 3, C // (3 * groups)))
+    return jnp.swapaxes(v, -3, -2).reshape(x.shape)
+
+
+def conv_groups_of(conv_pool) -> int:
+    """How many channel blocks a placed conv pool's channel axis is split into (its layout
+    is rank-major over them: :func:`conv_rank_major`); 1 for a whole-channel pool."""
+    sharding = getattr(conv_pool, "sharding", None)
+    if sharding is None or not hasattr(sharding, "shard_shape"):
+        return 1
+    C = conv_pool.shape[-1]
+    return C // sharding.shard_shape(conv_pool.shape)[-1]
 
 
 def cache_shapes(cfg, num_slots: int, num_pages: int, page_size: int, dtype) -> dict:

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from ..kernels import ops
-from .cache import Cache, StepBatch
+from .cache import Cache, StepBatch, conv_logical, conv_rank_major
 from .step import FlatBatch, flatten_padded, local_rows, unflatten
 from .kda import KDA
 from .layer_plan import part_of, plan_layers
@@ -246,14 +246,19 @@ class KimiLM(nnx.Module):
         # KDA rows are gathered once for all layers (by read slot) and scattered back once at
         # the end (by write slot): a per-layer scatter into the pool makes XLA copy the whole
         # pool per layer
-        take = (lambda pool, s: pool[:, s]) if par is None else par.take_slots
+        H_kda = cfg.kda_num_heads
+        take = (lambda pool, s: pool[:, s]) if par is None else functools.partial(par.take_slots, kda_heads=H_kda)
         # a Pallas backend runs each KDA layer's core on the pools in place, outside the
         # switches (``ops.kda_layer_on_pools``): nothing is gathered before the stack or
         # scattered after it. Under a recipe it runs per rank on the rank's slots and heads
         # (``StepParallel.kda_layer_on_pools``).
         fused_kda = bool(kda_idx) and cfg.kernels != "reference" and ops.kda_kernels_fit(cfg.kda_head_dim, cfg.kernels)
         if kda_idx and not fused_kda:
-            conv_rows = jnp.where(fb.fresh[None, :, None, None], 0.0, take(cache.kda_conv, fb.read_slot))
+            # the conv pool's channels are stored rank-major when the heads are split over
+            # ranks (``StepParallel.conv_groups``); the reference core reads q | k | v
+            conv_groups = 1 if par is None else par.conv_groups(H_kda)
+            conv_rows = jnp.where(fb.fresh[None, :, None, None], 0.0,
+                                  conv_logical(take(cache.kda_conv, fb.read_slot), conv_groups))
             state_rows = jnp.where(fb.fresh[None, :, None, None, None], 0.0, take(cache.kda_state, fb.read_slot))
 
         # The residual stream (prefix sums, AttnRes bank) is kept in fp32 whatever the
@@ -266,9 +271,8 @@ class KimiLM(nnx.Module):
         L = plan.num_layers
         kda_of = np.array([kda_idx.get(l, 0) for l in range(L)], np.int32)
         mla_of = np.array([mla_idx.get(l, 0) for l in range(L)], np.int32)
-        if fused_kda:  # under a recipe the conv pool as the kernels read it per rank (par.kda_conv_local)
-            carry.update(state_pool=cache.kda_state, conv_pool=cache.kda_conv if par is None else
-                         par.kda_conv_local(cache.kda_conv, cfg.kda_num_heads))
+        if fused_kda:  # under a recipe each rank's block of the conv pool is its heads' q|k|v
+            carry.update(state_pool=cache.kda_state, conv_pool=cache.kda_conv)
         elif kda_idx:
             NS = fb.snap_slot.shape[0]
             carry.update(conv=conv_rows, state=state_rows,
@@ -417,12 +421,12 @@ class KimiLM(nnx.Module):
         kda_state, kda_conv = cache.kda_state, cache.kda_conv
         if fused_kda:
             kda_state, kda_conv = carry["state_pool"], carry["conv_pool"]
-            if par is not None:
-                kda_conv = par.kda_conv_merge(cache.kda_conv, kda_conv, fb, cfg.kda_num_heads)
         elif kda_idx:
             conv_out, state_out, snap_conv, snap_state = (carry[n] for n in kda_keys)
+            conv_out, snap_conv = (conv_rank_major(v, conv_groups) for v in (conv_out, snap_conv))
             put = (lambda pool, s, v: pool.at[:, s].set(v, mode="drop")) if par is None else par.put_slots
-            kda_conv = put(put(kda_conv, fb.write_slot, conv_out), fb.snap_slot, snap_conv)
+            put_conv = put if par is None else functools.partial(par.put_slots, kda_heads=H_kda)
+            kda_conv = put_conv(put_conv(kda_conv, fb.write_slot, conv_out), fb.snap_slot, snap_conv)
             kda_state = put(put(kda_state, fb.write_slot, state_out), fb.snap_slot, snap_state)
         p, bank = carry["p"], carry.get("bank")
         if not all_logits and not capture:  # only the tokens that are sampled

@@ -80,21 +80,31 @@ class StepParallel:
     def _ax(self, axes):
         return None if not axes else (axes if len(axes) > 1 else axes[0])
 
-    def _slot_spec(self, pool) -> P:
-        """The layout of a KDA pool ``[n, slots, ...]``: slots over ``"dp"``; for the state
-        ``[n, slots, H, dk, dv]`` also the heads over the attention group ``ATTN`` when they
-        divide it (else whole) — the one rule of :meth:`cache_specs`, :meth:`take_slots` and
-        :meth:`put_slots`, so the step returns the cache in the layout it was given."""
+    def _slot_spec(self, pool, kda_heads: int | None = None) -> P:
+        """The layout of a KDA pool ``[n, slots, ...]`` (or of rows taken from it): slots
+        over ``"dp"``; with the heads split over the attention group ``ATTN`` (when they
+        divide it, :meth:`conv_groups`) also the state's heads ``[n, slots, H, dk, dv]`` and
+        the conv window's channels ``[n, slots, W-1, 3P]``, stored rank-major
+        (``model.cache.conv_rank_major``: each rank's block is its heads' ``q | k | v``) --
+        the one rule of :meth:`cache_specs`, :meth:`take_slots` and :meth:`put_slots`, so the
+        step returns the cache in the layout it was given. A conv pool needs ``kda_heads``."""
         if pool.ndim != 5:  # kda_conv [n, slots, W-1, 3P]
-            return P(None, self.rows_axis, *([None] * (pool.ndim - 2)))
+            if kda_heads is None:
+                raise ValueError("the conv pool's layout depends on the KDA head count: pass kda_heads")
+            return P(None, self.rows_axis, *([None] * (pool.ndim - 3)), self._state_heads(kda_heads))
         return P(None, self.rows_axis, self._state_heads(pool.shape[2]), None, None)
 
     def _state_heads(self, kda_heads: int):
         return ATTN if kda_heads % self.recipe.attn_group == 0 else None
 
+    def conv_groups(self, kda_heads: int) -> int:
+        """The rank blocks of the conv pool's channels (rank-major order), 1 when whole."""
+        return self.recipe.attn_group if self._state_heads(kda_heads) is not None else 1
+
     def cache_specs(self, kda_heads: int) -> dict:
-        return {"kda_state": P(None, self.rows_axis, self._state_heads(kda_heads), None, None),
-                "kda_conv": P(None, self.rows_axis, None, None),
+        h = self._state_heads(kda_heads)
+        return {"kda_state": P(None, self.rows_axis, h, None, None),
+                "kda_conv": P(None, self.rows_axis, None, h),
                 "mla_kv": P(None, self._ax(self.page_axes), None, None)}
 
     def cache_shardings(self, kda_heads: int) -> dict:
@@ -260,55 +270,13 @@ class StepParallel:
         lid = slot - base
         return jnp.where((lid >= 0) & (lid < S), lid, S)
 
-    def kda_conv_local(self, conv_pool, kda_heads: int):
-        """The conv pool as the KDA kernels read it under this recipe, for one step: with the
-        heads split over the attention group, a copy whose rank-``j`` block along the channels
-        holds only rank ``j``'s heads (``q_j | k_j | v_j``, the kernels' layout), placed
-        ``P(None, "dp", None, ATTN)``; else the pool itself. The cache keeps whole channels on
-        every rank of a group (``_slot_spec``), while a rank's heads are three separate channel
-        ranges; a cache laid out by head would make this copy (``1/group`` of the pool per
-        device and step) unnecessary. :meth:`kda_conv_merge` writes the step's windows back."""
-        if not self._kda_split(kda_heads):
-            return conv_pool
-        G = self.recipe.attn_group
-        L, _, Wm1, C = conv_pool.shape
-        Pw = C // 3
-
-        def local(conv):
-            r = _flat_index(ATTN, self.sizes)
-            v = conv.reshape(L, conv.shape[1], Wm1, 3, G, Pw // G)
-            return jax.lax.dynamic_index_in_dim(v, r, 4, keepdims=False).reshape(L, conv.shape[1], Wm1, 3 * Pw // G)
-
-        return jax.shard_map(local, mesh=self.mesh, in_specs=self._slot_spec(conv_pool),
-                             out_specs=P(None, self.rows_axis, None, ATTN), check_vma=False)(conv_pool)
-
-    def kda_conv_merge(self, conv_pool, local_pool, fb, kda_heads: int):
-        """The windows the kernels wrote into :meth:`kda_conv_local`'s copy (the step's write
-        slots and snapshot slots, every layer; any other slot of the set is unchanged there)
-        all-gathered over the attention group and written into the whole-channel pool."""
-        if not self._kda_split(kda_heads):
-            return local_pool
-        spec = self._slot_spec(conv_pool)
-        d = P(self.rows_axis)
-
-        def local(conv, mine, write_slot, snap_slot):
-            S = conv.shape[1]
-            at = jnp.concatenate([self._group_slots(S, write_slot), self._group_slots(S, snap_slot)])
-            L, _, Wm1, Cl = mine.shape
-            got = mine[:, jnp.clip(at, 0, S - 1)].reshape(L, -1, Wm1, 3, Cl // 3)
-            got = jax.lax.all_gather(got, ATTN, axis=4, tiled=True).reshape(L, -1, Wm1, conv.shape[3])
-            return conv.at[:, at].set(got.astype(conv.dtype), mode="drop")
-
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, P(None, self.rows_axis, None, ATTN), d, d),
-                             out_specs=spec, check_vma=False)(conv_pool, local_pool, fb.write_slot, fb.snap_slot)
-
     def kda_layer_on_pools(self, qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool,
                            layer, fb, q_lens, *, lower_bound, eps, backend: str):
         """``ops.kda_layer_on_pools`` (the KDA kernels on the pools in place) per rank: each DP
         group on its own slots (slot ids made local to the group's block; others' dropped), each
         rank of the group on its heads of the state pool (``_slot_spec``: heads over ``ATTN``)
-        and of ``conv_pool`` -- :meth:`kda_conv_local`'s pool, whose rank blocks hold the
-        rank's heads' channels. Returns ``(o [T, H, d], state_pool, conv_pool)`` in the pools'
+        and its block of the conv pool's channels (stored rank-major: the block is the rank's
+        heads' ``q | k | v``, exactly what the kernels read). Returns ``(o [T, H, d], state_pool, conv_pool)`` in the pools'
         layouts."""
         from ..kernels import ops
         from ..model.step import local_rows
@@ -343,11 +311,11 @@ class StepParallel:
                   fb.start_pos, fb.read_slot, fb.write_slot, fb.fresh, fb.snap_row, fb.snap_len, fb.snap_slot)
 
     # ------------------------------------------------------------------ KDA slots by DP group
-    def take_slots(self, pool, slots):
+    def take_slots(self, pool, slots, kda_heads: int | None = None):
         """``pool[:, slots]`` where each DP group's rows name only its own slots (the KDA
         state keeps its heads split over the group: :meth:`_slot_spec`). Per device, in the
-        pool's own layout (also without DP)."""
-        spec = self._slot_spec(pool)
+        pool's own layout (also without DP). ``kda_heads``: for the conv pool."""
+        spec = self._slot_spec(pool, kda_heads)
 
         def local(pool, slots):
             base = jax.lax.axis_index("dp") * pool.shape[1] if self.dp > 1 else 0
@@ -356,12 +324,12 @@ class StepParallel:
         return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, P(self.rows_axis)), out_specs=spec,
                              check_vma=False)(pool, slots)
 
-    def put_slots(self, pool, slots, rows):
+    def put_slots(self, pool, slots, rows, kda_heads: int | None = None):
         """``pool.at[:, slots].set(rows)``; slots out of range are dropped. Per device, in the
         pool's own layout: ``rows`` are brought to it (a few rows), never the pool to them.
         Left to XLA, a dp=1 step scattered into the replicated conv pool split over its
         channels and then all-gathered the whole pool (``tools/step_collectives.py``)."""
-        spec = self._slot_spec(pool)
+        spec = self._slot_spec(pool, kda_heads)
 
         def local(pool, slots, rows):
             base = jax.lax.axis_index("dp") * pool.shape[1] if self.dp > 1 else 0

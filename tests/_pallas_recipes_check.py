@@ -151,8 +151,8 @@ def ragged_gmm_error(recipe: str) -> float:
 
 
 def kda_pools_error(recipe: str) -> float:
-    """``StepParallel.kda_layer_on_pools`` between ``kda_conv_local`` and ``kda_conv_merge``
-    (dp=2, heads split) on 2-layer pools, with a prefix hit (read slot != write slot), a fresh
+    """``StepParallel.kda_layer_on_pools`` on pools placed as the engine keeps them (dp=2,
+    heads split; the conv pool's channels rank-major and split over the heads' ranks) on 2-layer pools, with a prefix hit (read slot != write slot), a fresh
     row and snapshots taken by a prefill row (after 2 of its 3 tokens) and by a decode row,
     against ``ops.kda_layer_on_pools`` on one device, group by group: the largest relative
     error of the outputs and both pools."""
@@ -161,6 +161,7 @@ def kda_pools_error(recipe: str) -> float:
     import jax.numpy as jnp
 
     from k3serve.kernels import ops
+    from k3serve.model.cache import conv_logical, conv_rank_major
     from k3serve.model.step import local_rows
 
     H, d, W, L = 8, 16, 4, 2
@@ -209,12 +210,15 @@ def kda_pools_error(recipe: str) -> float:
                                fresh=fresh, snap_row=snap_row, snap_len=snap_len, snap_slot=snap_slot)
 
     def g(st, cv):
-        loc = par.kda_conv_local(cv, H)
-        o, st, loc = par.kda_layer_on_pools(x["qkv"], x["f"], x["beta"], x["gate"], cw, A_log, dt_bias, o_norm,
-                                            st, loc, layer, fb, jnp.asarray(q_lens), **kw)
-        return o, st, par.kda_conv_merge(cv, loc, fb, H)
+        return par.kda_layer_on_pools(x["qkv"], x["f"], x["beta"], x["gate"], cw, A_log, dt_bias, o_norm,
+                                      st, cv, layer, fb, jnp.asarray(q_lens), **kw)
 
-    o, st2, cv2 = jax.jit(g)(jax.device_put(state, sh["kda_state"]), jax.device_put(conv, sh["kda_conv"]))
+    G = par.conv_groups(H)  # the pool stored rank-major over the heads' ranks
+    assert G == r.attn_group > 1, (G, r.attn_group)
+    cv_in = jax.device_put(np.asarray(conv_rank_major(jnp.asarray(conv), G)), sh["kda_conv"])
+    assert cv_in.sharding.shard_shape(cv_in.shape)[-1] == 3 * P // G  # each device: its heads' channels only
+    o, st2, cv2 = jax.jit(g)(jax.device_put(state, sh["kda_state"]), cv_in)
+    cv2 = conv_logical(cv2, G)
     rel = lambda a, b: float(np.abs(np.asarray(a) - b).max() / np.abs(b).max())  # noqa: E731
     return max(rel(o, want_o), rel(st2, want_st), rel(cv2, want_cv))
 

@@ -134,3 +134,22 @@ def test_row_layout_conv_pool_gives_the_same_result():
     np.testing.assert_array_equal(o2, o)
     np.testing.assert_array_equal(st2, st)
     np.testing.assert_array_equal(cv2.reshape(cv.shape), cv)
+
+
+def test_conv_rank_major_blocks_hold_each_ranks_heads():
+    """Under a recipe that splits the KDA heads over G ranks the conv pool is stored rank-major:
+    block j of the channels is q_j | k_j | v_j (rank j's heads of each), the inverse restores
+    q | k | v, and G = 1 is the identity."""
+    from k3serve.model.cache import conv_groups_of, conv_logical, conv_rank_major
+
+    G, Pw = 4, 16
+    x = jnp.arange(2 * 3 * 3 * Pw, dtype=jnp.float32).reshape(2, 3, 3 * Pw)  # [slots, W-1, q|k|v]
+    y = conv_rank_major(x, G)
+    q, k, v = (x[..., i * Pw:(i + 1) * Pw] for i in range(3))
+    b = Pw // G
+    for j in range(G):
+        want = jnp.concatenate([q[..., j * b:(j + 1) * b], k[..., j * b:(j + 1) * b], v[..., j * b:(j + 1) * b]], -1)
+        np.testing.assert_array_equal(y[..., j * 3 * b:(j + 1) * 3 * b], want)
+    np.testing.assert_array_equal(conv_logical(y, G), x)
+    assert conv_rank_major(x, 1) is x and conv_logical(x, 1) is x
+    assert conv_groups_of(jax.device_put(x)) == 1 and conv_groups_of(np.asarray(x)) == 1

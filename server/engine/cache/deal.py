@@ -142,6 +142,14 @@ def without_slot_axis(sharding, ndim: int):
     return sharding  # one device
 
 
+def replicated(sharding):
+    """Whole on every device of ``sharding``'s mesh (the conv window of a handoff: its pool
+    may split the channels, rank-major, which the load program deals out)."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, P())
+    return sharding  # one device
+
+
 @dataclasses.dataclass
 class HandoffTarget:
     """The decode's side of one request's handoff: the :class:`Destination` it asks for, where

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ....intmath import cdiv, next_pow2, pad_pow2
-from ....model.cache import allocate_cache, cache_bytes
+from ....model.cache import allocate_cache, cache_bytes, conv_groups_of
 
 from ..programs import Programs, sparse_widths, width_for
 from .device_ops import PROGRAMS
@@ -272,7 +272,7 @@ class CacheManager:
         cache (``deal.HandoffTarget``: the destination to send the prefill, where to pull each
         piece, the load's block-order index). A pure function of the reservation. Pages the
         request maps from this engine's prefix cache are neither asked for nor written."""
-        from .deal import Destination, HandoffTarget, without_slot_axis
+        from .deal import Destination, HandoffTarget, replicated, without_slot_axis
 
         req = self._req(rid)
         n = cdiv(tokens, self.page_size)
@@ -285,7 +285,8 @@ class CacheManager:
         st, cv, kv = cache.kda_state, cache.kda_conv, cache.mla_kv
         shapes = ((st.shape[0],) + st.shape[2:], (cv.shape[0],) + cv.shape[2:],
                   (kv.shape[0], self.dp * self.dcp * pb) + kv.shape[2:])
-        shardings = (without_slot_axis(st.sharding, st.ndim), without_slot_axis(cv.sharding, cv.ndim), kv.sharding)
+        # the conv window comes whole (q|k|v order) to every device; the load deals its channels
+        shardings = (without_slot_axis(st.sharding, st.ndim), replicated(cv.sharding), kv.sharding)
         heads = {(sl[1].start or 0, sl[1].stop or shapes[0][1])
                  for sl in shardings[0].devices_indices_map(shapes[0]).values()}
         dest = Destination(first_page=req.shared, head_count=next(iter(heads))[1] - next(iter(heads))[0],
@@ -327,7 +328,11 @@ class CacheManager:
         if fn is None:
             import jax
 
+            import functools
+
             body, writes = PROGRAMS[name]
+            if name in ("read", "load"):  # the conv window leaves and comes back in q|k|v order
+                body = functools.partial(body, conv_groups=conv_groups_of(self.device_cache.kda_conv))
             kw = (dict(donate_argnums=0, out_shardings=jax.tree.map(lambda a: a.sharding, self.device_cache))
                   if writes else {})
             fn = self._copy_fns[name] = self.programs.jit(body, f"cache_{name}", **kw)
