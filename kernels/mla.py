@@ -59,7 +59,7 @@ def mla_paged_attention(q_lat, q_rope, kv_pages, page_table, q_positions, kv_len
     kv = kv_pages[ids] if layer is None else kv_pages[layer, ids]  # [B, J, page_size, W]
     S = J * page_size
     kv = kv.reshape(B, S, W).astype(jnp.float32)
-    c, kr = kv[..., :latent_dim], kv[..., latent_dim:]
+    c, kr = kv[..., :latent_dim], kv[..., latent_dim:latent_dim + q_rope.shape[-1]]  # zeros may follow
     scores = jnp.einsum("bthl,bsl->bths", q_lat.astype(jnp.float32), c) + jnp.einsum(
         "bthr,bsr->bths", q_rope.astype(jnp.float32), kr
     )

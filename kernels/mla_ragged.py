@@ -100,6 +100,7 @@ def mla_ragged_attention(q_lat, q_rope, kv_pool, page_table, tok_row, pos, kv_le
     T, H, L = q_lat.shape
     assert L == latent_dim, (L, latent_dim)
     num_pages, page_size, W = kv_pool.shape[-3:]
+    Rr = q_rope.shape[-1]  # the rope key's lanes; zeros may follow them up to W
     R, P = page_table.shape
     bp = kv_block_pages or max(1, KV_BLOCK_TOKENS // page_size)
     bp = max(1, min(int(bp), P))
@@ -156,7 +157,7 @@ def mla_ragged_attention(q_lat, q_rope, kv_pool, page_table, tok_row, pos, kv_le
         blk_ord = jax.lax.dynamic_slice_in_dim(ords, b * bp, bp, axis=1)
         blk_pres = jax.lax.dynamic_slice_in_dim(present, b * bp, bp, axis=1)
         kv = gather_kv(blk_ids).reshape(R, S, W)
-        c, kr = kv[..., :latent_dim], kv[..., latent_dim:]
+        c, kr = kv[..., :latent_dim], kv[..., latent_dim:latent_dim + Rr]
         s = (jnp.einsum("rhl,rsl->rhs", dq_lat, c) + jnp.einsum("rhd,rsd->rhs", dq_rope, kr)) * scale
         kpos = (blk_ord[:, :, None] * page_size + offs).reshape(R, S)
         mask = (jnp.repeat(blk_pres, page_size, axis=1) & (kpos <= dpos[:, None]) & (kpos < kv_lens[:, None])
@@ -203,7 +204,7 @@ def mla_ragged_attention(q_lat, q_rope, kv_pool, page_table, tok_row, pos, kv_le
             blk_ord = jax.lax.dynamic_slice_in_dim(r_ord, b * bp, bp)
             blk_pres = jax.lax.dynamic_slice_in_dim(r_pres, b * bp, bp)
             kv = gather_kv(blk_ids).reshape(S, W)
-            c, kr = kv[:, :latent_dim], kv[:, latent_dim:]
+            c, kr = kv[:, :latent_dim], kv[:, latent_dim:latent_dim + Rr]
             s = (jnp.einsum("qhl,sl->qhs", tq_lat, c) + jnp.einsum("qhd,sd->qhs", tq_rope, kr)) * scale
             kpos = (blk_ord[:, None] * page_size + offs).reshape(S)
             kok = jnp.repeat(blk_pres, page_size) & (kpos < kvl)

@@ -5,7 +5,8 @@ Layouts (allocated here; the engine's ``CacheManager`` holds the live arrays as 
   kda_conv  [nK, slots, W-1, 3P]   float32   last W-1 raw q|k|v projections, oldest first;
                                              channels q|k|v, or rank-major when the KDA heads
                                              are split over G ranks (``conv_rank_major``)
-  mla_kv    [nM, pages, page_size, kv_lora_rank + rope] (model dtype)   latent rows
+  mla_kv    [nM, pages, page_size, Wp] (model dtype)   latent rows: kv_lora_rank + rope, zeros
+                                                        up to Wp = cfg.mla_pool_width
 
 A running sequence owns one slot (``slot_ids``) and the pages listed in its row of
 ``page_table``. A row with ``start_pos == 0`` starts from a zero KDA state and conv window
@@ -92,7 +93,7 @@ def cache_shapes(cfg, num_slots: int, num_pages: int, page_size: int, dtype) -> 
     return {
         "kda_state": ((nK, num_slots, H, dk, dk), jnp.float32),
         "kda_conv": ((nK, num_slots, cfg.conv_kernel_size - 1, 3 * H * dk), jnp.float32),
-        "mla_kv": ((nM, num_pages, page_size, cfg.mla_cache_width), jnp.dtype(dtype)),
+        "mla_kv": ((nM, num_pages, page_size, cfg.mla_pool_width), jnp.dtype(dtype)),
     }
 
 

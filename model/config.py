@@ -98,6 +98,17 @@ class K3Config:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
+    def mla_pool_width(self) -> int:
+        """The MLA pool's row width: :attr:`mla_cache_width` rounded up to whole 128-lane
+        vregs when it is wider than one (K3: 576 -> 640), zeros after the row. A TPU lays a
+        576-wide row out padded to 640 anyway; stored 576 wide, XLA:TPU gave the pool a
+        page-minor layout (no padding) and copied the whole pool into the kernels' row-major
+        layout and back every step (7.5 GiB per device under v7-32-decode, docs/compile.md).
+        Narrow rows (the small test models) stay as they are."""
+        w = self.mla_cache_width
+        return w if w <= 128 else -(-w // 128) * 128
+
+    @property
     def uses_attn_res(self) -> bool:
         return self.attn_res_block_size is not None
 

@@ -52,10 +52,13 @@ class MLA(nnx.Module):
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def latent_rows(self, x):
-        """The cache rows of x: [B, T, kv_lora_rank + rope]."""
+        """The cache rows of x: ``[B, T, mla_pool_width]``: the normed latent, the rope key,
+        zeros up to the pool's width (``K3Config.mla_pool_width``)."""
         ckv = self.kv_a_proj_with_mqa(x)
         c, kr = ckv[..., : self.cfg.kv_lora_rank], ckv[..., self.cfg.kv_lora_rank :]
-        return jnp.concatenate([self.kv_a_layernorm(c), kr], axis=-1)
+        pad = self.cfg.mla_pool_width - self.cfg.mla_cache_width
+        tail = [jnp.zeros(kr.shape[:-1] + (pad,), kr.dtype)] if pad else []
+        return jnp.concatenate([self.kv_a_layernorm(c), kr] + tail, axis=-1)
 
     def queries(self, x):
         """The step's queries in latent space: ``q_lat [T, H, kv_lora_rank]`` float32 (``q_nope``

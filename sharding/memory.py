@@ -92,7 +92,7 @@ def plan_memory(cfg, recipe: Recipe, inventory, *, context_len: int = 131072, hb
     """Bytes per device and the max concurrent requests at ``context_len`` tokens each, each
     request also paying ``snapshots_per_request`` prefix-cache KDA snapshot slots."""
     n_mla, n_kda = len(cfg.mla_layers), len(cfg.kda_layers)
-    kv_token = n_mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * kv_itemsize
+    kv_token = n_mla * cfg.mla_pool_width * kv_itemsize  # rows stored padded to whole 128-lane vregs
     kv_token_dev = kv_token / recipe.dcp
     H, d = cfg.kda_num_heads, cfg.kda_head_dim
     kda_req = n_kda * (H * d * d + (cfg.conv_kernel_size - 1) * 3 * H * d) * state_itemsize

@@ -157,7 +157,7 @@ def step_cost(cfg, recipe: Recipe, inventory, *, context_len: int, concurrency: 
     hbm["non-routed weights"] = dense_bytes
     touched = 1.0 - (1.0 - k / E) ** T if E else 0.0
     hbm["routed experts"] = touched * routed_bytes / n
-    kv_token = n_mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * kv_itemsize
+    kv_token = n_mla * cfg.mla_pool_width * kv_itemsize  # rows stored padded to whole 128-lane vregs
     hbm["MLA KV"] = (B / dp) * context_len * kv_token / recipe.dcp
     H, d = cfg.kda_num_heads, cfg.kda_head_dim
     kda_req = n_kda * (H * d * d + (cfg.conv_kernel_size - 1) * 3 * H * d) * state_itemsize

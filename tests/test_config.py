@@ -87,7 +87,7 @@ def test_k3_full():
     assert len(cfg.kda_layers) == 69
     assert cfg.layer_types[-2:] == ("mla", "mla")
     assert cfg.num_attn_res_blocks == 8  # snapshots at 0, 12, ..., 84
-    assert cfg.mla_cache_width == 576
+    assert cfg.mla_cache_width == 576 and cfg.mla_pool_width == 640  # pool rows in whole 128-lane vregs
     assert cfg.experts_mxfp4 and cfg.expert_input_size == 3584 and cfg.kda_proj_size == 96 * 128
     assert cfg._validated() is cfg
 
