@@ -432,7 +432,9 @@ class KimiLM(nnx.Module):
         if not all_logits and not capture:  # only the tokens that are sampled
             at = jnp.maximum(fb.logits_idx, 0)
             p = p[at]
-            bank = None if bank is None else bank[:, at]
+            # block by block: XLA:TPU fused the one [blocks, T, D] gather with a relayout that ran
+            # out of scoped VMEM at 2 blocks (a 13-layer K3 at 64 rows; docs/compile.md)
+            bank = None if bank is None else jnp.stack([bank[b][at] for b in range(bank.shape[0])])
         out = attn_res_bank(bank, carry["count"], p, self.output_attn_res, ctx.eps) if cfg.uses_attn_res else p
         normed = ctx.gather(self.norm(out).astype(self.dtype))
         logits = jnp.einsum("td,vd->tv", normed, self.lm_head.weight[...].astype(normed.dtype),
