@@ -6,62 +6,43 @@ implementations of these models; we require 1e-4 relative on logits (and atol/rt
 and router top-k sets (the goldens were chosen with safe margins for both).
 
 Every model step compiles once per (token bucket, page count), about 5-8 s each on XLA:CPU.
-Sequence 0 of each case goes through the public ``logits`` / ``greedy``, whose program for it
-is the 64-token, 4-page prefill (and the 4-page decode step); sequences 1 and 2 run the very
-same steps through ``_prefill64`` / ``_greedy64`` (the same ``make_batch`` and ``step`` calls,
-padded to that shape) instead of compiling the 16- and 32-token buckets with 1 and 2 pages
-as well. What they would add is padding/bucket arithmetic, which ``test_engine`` (every token
-bucket of the engine against ``greedy``), ``test_multihost`` and ``_preshard_check`` (``greedy``
-of 7- to 28-token prompts) exercise.
+Sequence 0 of each case goes through the public ``logits`` / ``greedy`` where they compile the
+64-token, 4-page prefill (and the 4-page decode step) for it, i.e. for 33 to 64 tokens; the
+other calls run the very same ``make_batch``/``step`` calls padded to that shape
+(``_util.prefill_padded`` / ``greedy_padded``) instead of compiling the 16- and 32-token
+buckets with 1, 2 and 4 pages as well. What those would add is ``logits``/``greedy``'s bucket
+and page arithmetic for short prompts, which ``greedy`` of 2- to 29-token prompts in
+``test_model_step``, ``test_weights_loading``, ``test_serve_cli``, ``test_pallas_backend``,
+``_preshard_check`` and ``_attention_dp_check`` exercises (against the engine or a restore).
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from _util import ALL_CASES, K3_CASES, golden, load_case, rel_err
+from _util import ALL_CASES, K3_CASES, golden, greedy_padded, load_case, prefill_padded, rel_err
 
 LOGIT_REL = 1e-4
-TB, PAGES = 64, 4  # the shape ``logits`` / ``greedy`` compile for sequence 0 of every case
+TB, PAGES = 64, 4  # the shape ``logits`` / ``greedy`` compile for 33 to 64 tokens (page size 16)
 
 
-def _prefill64(m, ids, capture=False):
-    """``m._prefill`` padded to ``TB`` tokens and ``PAGES`` pages: ``((logits, cache[, rec]), table)``."""
-    from k3serve.model import make_batch
-
-    T = len(ids)
-    assert T <= TB
-    tok = np.zeros((1, TB), np.int32)
-    tok[0, :T] = ids
-    batch = make_batch(tok, [0], [T], [0], np.arange(PAGES, dtype=np.int32)[None])
-    return m.step(m.new_cache(1, PAGES), batch, capture=capture), batch.page_table
+def _public(i: int, ids) -> bool:
+    """Sequence 0 goes through ``logits`` / ``greedy`` when they compile the ``TB`` shape for it."""
+    return i == 0 and len(ids) > TB // 2
 
 
 def _logits(m, ids, public: bool):
     if public:
         return m.logits(ids)
-    (logits, _), _ = _prefill64(m, np.asarray(ids, np.int32))
+    (logits, _), _ = prefill_padded(m, ids, TB, PAGES)
     return np.asarray(logits[0, : len(ids)], np.float32)
 
 
 def _greedy(m, ids, n: int, public: bool):
-    """``m.greedy(ids, n, return_logits=True)``, or its loop over the ``TB``/``PAGES`` steps."""
+    """``m.greedy(ids, n, return_logits=True)``, or the same loop over the ``TB``/``PAGES`` steps."""
     if public:
         return m.greedy(ids, max_new_tokens=n, return_logits=True)
-    from k3serve.model import make_batch
-
-    T = len(ids)
-    assert T + n <= TB
-    (logits, cache), table = _prefill64(m, np.asarray(ids, np.int32))
-    last, out, rows = np.asarray(logits[0, T - 1], np.float32), [], []
-    for pos in range(T, T + n):
-        out.append(int(np.argmax(last)))
-        if len(out) == n:
-            break
-        logits, cache = m.step(cache, make_batch([[out[-1]]], [pos], [1], [0], table))
-        last = np.asarray(logits[0, 0], np.float32)
-        rows.append(last)
-    return out, rows
+    return greedy_padded(m, ids, n, TB, PAGES, return_logits=True)
 
 
 def close(a, b, scale=1e-4):
@@ -73,10 +54,10 @@ def close(a, b, scale=1e-4):
 def test_full_and_prefill_logits(case):
     m, g = load_case(case), golden(case)
     for i in range(3):
-        full = _logits(m, g[f"full_ids_{i}"], public=i == 0)
+        full = _logits(m, g[f"full_ids_{i}"], public=_public(i, g[f"full_ids_{i}"]))
         assert rel_err(full, g[f"full_logits_{i}"]) < LOGIT_REL
         np.testing.assert_allclose(full, g[f"full_logits_{i}"], atol=1e-3, rtol=1e-3)
-        pre = _logits(m, g[f"input_ids_{i}"], public=i == 0)
+        pre = _logits(m, g[f"input_ids_{i}"], public=_public(i, g[f"input_ids_{i}"]))
         assert rel_err(pre, g[f"prefill_logits_{i}"]) < LOGIT_REL
 
 
@@ -85,7 +66,7 @@ def test_greedy_and_decode_logits(case):
     m, g = load_case(case), golden(case)
     n = int(g["num_generated"])
     for i in range(3):
-        toks, rows = _greedy(m, g[f"input_ids_{i}"], n + 1, public=i == 0)
+        toks, rows = _greedy(m, g[f"input_ids_{i}"], n + 1, public=_public(i, g[f"input_ids_{i}"]))
         assert toks[:n] == [int(t) for t in g[f"gen_tokens_{i}"]]
         assert toks[n] == int(g[f"next_token_after_gen_{i}"])
         dec = np.stack(rows[:n])
