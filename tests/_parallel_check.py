@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from _util import greedy_padded
 from k3serve.checkpoints import load_pretrained
 from k3serve.model.cache import Cache, allocate_cache, make_batch
 from k3serve.server.engine.cache import CacheManager, plan_capacity
@@ -126,7 +127,9 @@ def run_engine(m, recipe: str, lengths, new_tokens: int, page_size: int, seed: i
 
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, m.config.vocab_size, n).tolist() for n in lengths]
-    expect = [m.greedy(p, new_tokens) for p in prompts]  # one device (before the engine places params)
+    # one device (before the engine places params), every prompt in one prefill and one decode
+    # program (``m.greedy`` compiled three of each for these lengths)
+    expect = [greedy_padded(m, p, new_tokens) for p in prompts]
     orig = m.params
     r = Recipe.parse(recipe)
     eng = Engine(m, max_num_seqs=len(lengths), max_num_batched_tokens=16 * len(lengths), chunk_size=16,

@@ -4,7 +4,13 @@ synthetic K3 for recipe A and restore it under A, under B and on one device.
 Per restore: every parameter bit-identical (values and dtype) to a safetensors load placed
 for the same recipe, carrying the same sharding; greedy tokens of the restored model equal
 those of the safetensors one. A restore under A reads the saved shards as they are (the fast
-path): each restored array's sharding equals the one saved. Prints one JSON line."""
+path): each restored array's sharding equals the one saved. Prints one JSON line, keyed by
+``"<saved recipe> -> <restore>"``.
+
+Under pytest (``K3SERVE_TEST_HOME`` set) the child uses the session's compile cache: the two
+models of a restore run the same greedy programs (same shapes and shardings), so the second
+model's are loaded instead of compiled again, as are those of a restore another child has
+already compiled (``spec["restore"]`` is ordered so that the shared one comes last)."""
 from __future__ import annotations
 
 import json
@@ -39,6 +45,10 @@ def compare(a, b) -> dict:
 
 def main():
     src, root, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    if os.environ.get("K3SERVE_TEST_HOME"):
+        from k3serve.compile_cache import enable_compile_cache
+
+        enable_compile_cache(os.path.join(os.environ["K3SERVE_TEST_HOME"], "jax"), min_compile_secs=1.0)
     dst = os.path.join(root, f"pre-{os.getpid()}")
     man = preshard(src, dst, recipe=spec["save"], max_memory_gb=spec.get("max_memory_gb", 4.0))
     res = {"saved_recipe": man["recipe"]["spec"], "leaves": len(man["leaves"])}
@@ -52,9 +62,9 @@ def main():
         r["tokens_src"] = want.greedy(PROMPT, 6)
         r["bytes_read"] = got.load_stats["bytes_read"]
         r["checkpoint_bytes"] = got.load_stats["checkpoint_bytes"]
-        res[name] = r
-    res["devices"] = len(jax.devices())
-    res["format"] = read_manifest(dst)["format"]
+        res[f"{spec['save']} -> {name}"] = r
+    for name in spec["restore"]:
+        res[f"{spec['save']} -> {name}"].update(devices=len(jax.devices()), format=read_manifest(dst)["format"])
     print(json.dumps(res))
 
 

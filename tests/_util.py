@@ -36,6 +36,42 @@ def rel_err(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
+def prefill_padded(m, ids, bucket: int = 64, pages: int = 4, capture: bool = False):
+    """``m._prefill(ids, ...)`` with the prompt padded to ``bucket`` tokens and a private pool of
+    ``pages`` pages, whatever its length: ``((logits, cache[, rec]), page_table)``. Prompts of
+    different lengths then share one compiled prefill program (``m.logits`` / ``m.greedy``
+    compile one per power-of-two token bucket and page count, 5-10 s each on XLA:CPU)."""
+    from k3serve.model import make_batch
+
+    T = len(ids)
+    assert 0 < T <= bucket, (T, bucket)
+    tok = np.zeros((1, bucket), np.int32)
+    tok[0, :T] = np.asarray(ids, np.int32)
+    batch = make_batch(tok, [0], [T], [0], np.arange(pages, dtype=np.int32)[None])
+    return m.step(m.new_cache(1, pages), batch, capture=capture), batch.page_table
+
+
+def greedy_padded(m, ids, max_new_tokens: int, bucket: int = 64, pages: int = 4, return_logits: bool = False):
+    """``m.greedy(ids, max_new_tokens)`` in one prefill shape (``prefill_padded``) and the decode
+    step of that page table: the same ``make_batch``/``step`` calls, so every prompt with
+    ``len(ids) + max_new_tokens <= pages * m.page_size`` shares one prefill and one decode
+    program. Returns the new token ids (and the decode steps' logits rows)."""
+    from k3serve.model import make_batch
+
+    T = len(ids)
+    assert T + max_new_tokens <= pages * m.page_size, (T, max_new_tokens, pages, m.page_size)
+    (logits, cache), table = prefill_padded(m, ids, bucket, pages)
+    last, out, rows = np.asarray(logits[0, T - 1], np.float32), [], []
+    for pos in range(T, T + max_new_tokens):
+        out.append(int(np.argmax(last)))
+        if len(out) == max_new_tokens:
+            break
+        logits, cache = m.step(cache, make_batch([[out[-1]]], [pos], [1], [0], table))
+        last = np.asarray(logits[0, 0], np.float32)
+        rows.append(last)
+    return (out, rows) if return_logits else out
+
+
 def free_port() -> int:
     import socket
 

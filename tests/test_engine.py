@@ -38,7 +38,11 @@ def test_batched_greedy_equals_golden_and_model(engine_a):
     compiles = eng.stats()["num_compiles"]
     base, expect = _prompts()
     m = load_case(CASE)
-    extra = [base[0][:25], base[1] + base[2], base[0][5:36]]
+    # 33 to 36 tokens, so that ``m.greedy`` compiles one prefill (64 tokens, 4 pages) and one
+    # decode program for all three, the ones test_golden's sequence 0 uses (the session's
+    # compile cache holds them when both run); each still takes three chunks in the engine
+    extra = [base[0][:35], base[1] + base[2] + base[0][:16], base[0][5:38]]
+    assert all(32 < len(p) <= 64 - 12 for p in extra)
     want = expect + [m.greedy(p, 12) for p in extra]
     outs = _run(eng, base + extra, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
     for o, w in zip(outs, want):

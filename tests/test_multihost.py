@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from _util import free_port
+from _util import free_port, greedy_padded
 
 pytestmark = pytest.mark.slow
 
@@ -51,9 +51,14 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(ckpt):
+    """One device's greedy tokens: ``reference(ids, n)``. ``greedy_padded`` (``KimiModel.greedy``
+    in one 64-token, 4-page shape) compiles one prefill and one decode program for every
+    prompt here, where ``greedy`` compiled five programs (16/32 tokens, 2/4 pages) in turn after
+    the first cluster was up."""
     from k3serve.checkpoints import load_pretrained
 
-    return load_pretrained(ckpt, dtype="float32")
+    model = load_pretrained(ckpt, dtype="float32")
+    return lambda ids, n: greedy_padded(model, ids, n)
 
 
 class Cluster:
@@ -127,14 +132,14 @@ class Cluster:
 def _check_tokens_and_prefix(c: Cluster, reference) -> None:
     first = [(i * 7 + 3) % 500 for i in range(11)]
     got, _ = c.complete(first, 6, "one")
-    assert got == reference.greedy(first, 6)
+    assert got == reference(first, 6)
     # two turns of one session: the second extends the first's prompt and output
     turn1 = [(i * 13 + 5) % 500 for i in range(20)]
     out1, cached1 = c.complete(turn1, 5, "turn-1")
-    assert out1 == reference.greedy(turn1, 5) and cached1 == 0
+    assert out1 == reference(turn1, 5) and cached1 == 0
     turn2 = turn1 + out1 + [17, 18, 19]
     out2, cached2 = c.complete(turn2, 5, "turn-2")
-    assert out2 == reference.greedy(turn2, 5)
+    assert out2 == reference(turn2, 5)
     assert cached2 >= 16, f"the second turn should hit the prefix cache (cached {cached2})"
 
 
@@ -147,10 +152,10 @@ def test_dcp8_sp2_tokens_prefix_host_tier_info_and_sigterm(ckpt, reference, tmp_
         # x is evicted from the device by y, so x's continuation can only hit the host tier,
         # whose copy each process kept of its own shards
         x, y = [(i * 11 + 2) % 500 for i in range(21)], [(i * 5 + 9) % 500 for i in range(21)]
-        assert c.complete(x, 3, "x")[0] == reference.greedy(x, 3)
-        assert c.complete(y, 3, "y")[0] == reference.greedy(y, 3)
+        assert c.complete(x, 3, "x")[0] == reference(x, 3)
+        assert c.complete(y, 3, "y")[0] == reference(y, 3)
         out, cached = c.complete(x + [7, 8], 4, "x-again")
-        assert out == reference.greedy(x + [7, 8], 4) and cached >= 16, cached
+        assert out == reference(x + [7, 8], 4) and cached >= 16, cached
         for i in (0, 1):  # each process read its own slices, not the whole checkpoint
             m = re.search(r"read (\d+) of (\d+) checkpoint bytes", c.log(i))
             assert m and int(m.group(1)) < int(m.group(2)), c.log(i)
