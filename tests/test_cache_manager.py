@@ -101,19 +101,19 @@ def test_slot_pool_errors():
 def test_plan_k3_full_64gib():
     cfg, budget = k3_full(), 64 * GiB
     plan = plan_capacity(cfg, page_size=256, dtype=jnp.bfloat16, kv_memory_bytes=budget, max_num_seqs=8)
-    assert plan.bytes_per_page == 24 * 256 * 576 * 2
+    assert plan.bytes_per_page == 24 * 256 * 640 * 2  # 576-wide rows stored 640 wide (mla_pool_width)
     assert plan.bytes_per_slot == 69 * (96 * 128 * 128 * 4 + 3 * 3 * 12288 * 4)
     assert plan.num_slots == 9 and plan.max_concurrent_slots == 8
     assert plan.total_bytes == plan.num_slots * plan.bytes_per_slot + plan.num_pages * plan.bytes_per_page
     assert plan.total_bytes <= budget < plan.total_bytes + plan.bytes_per_page  # the rest went to pages
     assert plan.max_tokens_in_kv == plan.num_pages * 256
-    assert plan.num_pages == (budget - 9 * plan.bytes_per_slot) // plan.bytes_per_page  # 9052 pages, ~2.3M tokens
+    assert plan.num_pages == (budget - 9 * plan.bytes_per_slot) // plan.bytes_per_page  # 8206 pages, ~2.1M tokens
 
 
 def test_plan_too_small_budget_raises():
     cfg = k3_full()
     bps = 69 * (96 * 128 * 128 * 4 + 3 * 3 * 12288 * 4)
-    bpp = 24 * 256 * 576 * 2
+    bpp = 24 * 256 * 640 * 2  # 576-wide rows stored 640 wide (mla_pool_width)
     exact = 9 * bps + 8 * bpp  # 8 request slots + scratch, one page per sequence
     plan = plan_capacity(cfg, page_size=256, dtype="bfloat16", kv_memory_bytes=exact, max_num_seqs=8)
     assert plan.num_pages == 8

@@ -62,7 +62,8 @@ def test_full_model_abstract_shapes_and_parameter_count():
 def test_full_cache_sizes():
     shapes = cache_shapes(k3_full(), num_slots=1, num_pages=1, page_size=256, dtype=jnp.bfloat16)
     (n_mla, _, ps, width), dt = shapes["mla_kv"]
-    assert (n_mla, width) == (24, 576) and n_mla * width * jnp.dtype(dt).itemsize == 27_648  # bytes/token
+    # 576-wide latent rows (512 + 64) stored in whole 128-lane vregs: 640 (K3Config.mla_pool_width)
+    assert (n_mla, width) == (24, 640) and n_mla * width * jnp.dtype(dt).itemsize == 30_720  # bytes/token
     (n_kda, _, H, dk, dv), _ = shapes["kda_state"]
     assert (n_kda, H, dk, dv) == (69, 96, 128, 128)
     assert n_kda * H * dk * dv * 4 == 69 * 6 * 2**20  # 6 MiB per layer and request, fp32
