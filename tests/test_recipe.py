@@ -80,8 +80,9 @@ def test_memory_plan_full_k3_on_32_devices():
     inv = param_inventory(full)
     tp_only, dcp32, dp2 = (plan_memory(full, PRESETS[n] if n in PRESETS else Recipe.parse(n), inv)
                            for n in ("ep=8,tp=4", "v7-32-decode", "v7-32-decode-dp2"))
-    assert tp_only.kv_per_token_total == 27_648 and dcp32.kv_per_token_per_device == 27_648 / 32
-    assert dp2.kv_per_token_per_device == 27_648 / 16
+    # 24 MLA layers x 640 (576-wide rows stored in whole 128-lane vregs) x 2 bytes
+    assert tp_only.kv_per_token_total == 30_720 and dcp32.kv_per_token_per_device == 30_720 / 32
+    assert dp2.kv_per_token_per_device == 30_720 / 16
     assert tp_only.kda_state_per_request == 69 * (96 * 128 * 128 + 3 * 3 * 96 * 128) * 4
     # all weight bytes are accounted for exactly once over the mesh when nothing is replicated...
     total = sum(math.prod(s) * b for _, s, b in inv)
@@ -92,13 +93,13 @@ def test_memory_plan_full_k3_on_32_devices():
     experts = sum(math.prod(s) * b for p, s, b in inv if ".experts." in p and "shared" not in p)
     assert experts / 32 < tp_only.weights_per_device < experts / 32 + 6e9  # measured: 45.2 + 5.6 GB
     assert dp2.weights_per_device > dcp32.weights_per_device  # attention copied per DP group
-    assert tp_only.max_concurrent_requests == 11  # (0.9 x 101.74 GB - 50.77 GB) / 3.67 GB per request
+    assert tp_only.max_concurrent_requests == 10  # (0.9 x 101.74 GB - 50.77 GB) / 4.07 GB per request
     # each request also pays serve's 2 prefix-cache KDA snapshot slots (0: caching off)
     assert dcp32.snapshots_per_request == 2
-    assert dcp32.per_request_per_device == 131072 * 864 + 3 * dcp32.kda_state_per_request_per_device
-    assert dcp32.max_concurrent_requests == 260 and dp2.max_concurrent_requests == 238
+    assert dcp32.per_request_per_device == 131072 * 960 + 3 * dcp32.kda_state_per_request_per_device
+    assert dcp32.max_concurrent_requests == 240 and dp2.max_concurrent_requests == 220
     off = plan_memory(full, PRESETS["v7-32-decode"], inv, snapshots_per_request=0)
-    assert off.max_concurrent_requests == 319
+    assert off.max_concurrent_requests == 290
     with pytest.raises(ValueError):
         plan_memory(full, PRESETS["v7-32-decode"], inv, snapshots_per_request=-1)
     assert main(["plan", "--recipe", "ep=8,tp=4,dp=3"]) == 2
