@@ -56,25 +56,23 @@ class StepBatch:
     page_table: jax.Array  # [B, max_pages] MLA pages of the row, in order
 
 
+def _swap_channel_blocks(x, outer: int, inner: int):
+    """The last axis read as ``[outer, inner, rest]`` blocks, rewritten ``[inner, outer, rest]``."""
+    v = x.reshape(x.shape[:-1] + (outer, inner, x.shape[-1] // (outer * inner)))
+    return jnp.swapaxes(v, -3, -2).reshape(x.shape)
+
+
 def conv_rank_major(x, groups: int):
     """Conv-window channels (last axis, ``3P``) from the logical order ``q | k | v`` to the
     rank-major order of a pool whose KDA heads are split over ``groups`` ranks: block ``j``
     holds ``q_j | k_j | v_j`` (rank ``j``'s heads of each), so a rank's shard of the channel
     axis is exactly what its KDA kernels read. ``groups == 1``: unchanged."""
-    if groups == 1:
-        return x
-    C = x.shape[-1]
-    v = x.reshape(x.shape[:-1] + (3, groups, C // (3 * groups)))
-    return jnp.swapaxes(v, -3, -2).reshape(x.shape)
+    return x if groups == 1 else _swap_channel_blocks(x, 3, groups)
 
 
 def conv_logical(x, groups: int):
     """The inverse of :func:`conv_rank_major`: rank-major channels back to ``q | k | v``."""
-    if groups == 1:
-        return x
-    C = x.shape[-1]
-    v = x.reshape(x.shape[:-1] + (groups, 3, C // (3 * groups)))
-    return jnp.swapaxes(v, -3, -2).reshape(x.shape)
+    return x if groups == 1 else _swap_channel_blocks(x, groups, 3)
 
 
 def conv_groups_of(conv_pool) -> int:

@@ -424,9 +424,9 @@ class KimiLM(nnx.Module):
         elif kda_idx:
             conv_out, state_out, snap_conv, snap_state = (carry[n] for n in kda_keys)
             conv_out, snap_conv = (conv_rank_major(v, conv_groups) for v in (conv_out, snap_conv))
-            put = (lambda pool, s, v: pool.at[:, s].set(v, mode="drop")) if par is None else par.put_slots
-            put_conv = put if par is None else functools.partial(par.put_slots, kda_heads=H_kda)
-            kda_conv = put_conv(put_conv(kda_conv, fb.write_slot, conv_out), fb.snap_slot, snap_conv)
+            put = ((lambda pool, s, v: pool.at[:, s].set(v, mode="drop")) if par is None else
+                   functools.partial(par.put_slots, kda_heads=H_kda))
+            kda_conv = put(put(kda_conv, fb.write_slot, conv_out), fb.snap_slot, snap_conv)
             kda_state = put(put(kda_state, fb.write_slot, state_out), fb.snap_slot, snap_state)
         p, bank = carry["p"], carry.get("bank")
         if not all_logits and not capture:  # only the tokens that are sampled
