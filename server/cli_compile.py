@@ -166,6 +166,8 @@ def run(args, log=print) -> dict:
                             max_model_len=args.max_model_len, snapshots=plan_cap.snapshot_slots,
                             hbm_bytes=rep["hbm_per_device"])
         rep["per_device_bytes"]["plan"] = plan["per_device_bytes"]
+        rep["plan_parts"] = {"weights": plan["weights_per_device"], "caches": plan["caches_per_device"],
+                             "retiled": plan["retiled_per_device"]}
         rep["decode"].update(plan_bytes=plan["decode_bytes"], plan_collectives=plan["decode_collectives"])
     except Exception as e:  # noqa: BLE001
         rep["decode"]["plan_error"] = f"{type(e).__name__}: {e}"

@@ -12,9 +12,9 @@ GiB = 2 ** 30
 def plan_figures(cfg, recipe, *, dtype: str, max_num_seqs: int, max_model_len: int,
                  snapshots: int, hbm_bytes: float | None) -> dict:
     """The planner's per-device bytes of a server with these flags (weights + ``max_num_seqs``
-    requests at ``max_model_len`` tokens with their snapshot slots per attention DP group) and
-    its decode step (one token per row, ``max_num_seqs`` rows): HBM bytes and collectives."""
-    from .memory import param_inventory, plan_memory
+    requests at ``max_model_len`` tokens with their snapshot slots per attention DP group +
+    the layer stacks the step re-tiles, ``memory.retiled_per_device``) and its decode step (one token per row, ``max_num_seqs`` rows): HBM bytes and collectives."""
+    from .memory import param_inventory, plan_memory, retiled_per_device
     from .roofline import TPU7X, step_cost
 
     inv = param_inventory(cfg, dtype)
@@ -24,8 +24,10 @@ def plan_figures(cfg, recipe, *, dtype: str, max_num_seqs: int, max_model_len: i
                       snapshots_per_request=per_req)
     rows = -(-max_num_seqs // recipe.dp)  # requests one DP group holds
     step = step_cost(cfg, recipe, inv, context_len=max_model_len, concurrency=max_num_seqs)
-    return {"per_device_bytes": mem.weights_per_device + rows * mem.per_request_per_device,
-            "weights_per_device": mem.weights_per_device,
+    caches = rows * mem.per_request_per_device
+    retiled = retiled_per_device(inv, recipe)
+    return {"per_device_bytes": mem.weights_per_device + caches + retiled,
+            "weights_per_device": mem.weights_per_device, "caches_per_device": caches, "retiled_per_device": retiled,
             "decode_bytes": sum(step.hbm_bytes.values()), "decode_collectives": step.collectives}
 
 
@@ -33,6 +35,14 @@ def _gib(x) -> str:
     if x is None:
         return "-"
     return f"{x / GiB:.2f} GiB" if x >= GiB / 10 else f"{x / 2**20:.2f} MiB"
+
+
+def _plan_parts(rep: dict) -> str:
+    pp = rep.get("plan_parts")
+    if not pp:
+        return ""
+    return (f" (weights {_gib(pp['weights'])}, caches {_gib(pp['caches'])}, re-tiled layer stacks "
+            f"{_gib(pp['retiled'])})")
 
 
 def format_report(rep: dict) -> str:
@@ -57,8 +67,8 @@ def format_report(rep: dict) -> str:
     parts = rep.get("compiler_parts") or {}
     out.append(f"per device: compiler {_gib(pd['compiler'])} (weights {_gib(parts.get('weights'))}, caches "
                f"{_gib(parts.get('caches'))}, largest temporaries {_gib(parts.get('temp'))} in "
-               f"{parts.get('temp_program') or '-'}); planner {_gib(pd['plan'])}; HBM {_gib(hbm)} "
-               f"({rep.get('hbm_source', '')})")
+               f"{parts.get('temp_program') or '-'}); planner {_gib(pd['plan'])}{_plan_parts(rep)}; HBM "
+               f"{_gib(hbm)} ({rep.get('hbm_source', '')})")
     fits = rep.get("fits")
     out.append("fits a device" if fits else "fit unknown: a program failed for another reason" if fits is None else
                f"DOES NOT FIT a device ({_gib(hbm)}): see the programs past the HBM above")

@@ -81,6 +81,37 @@ def shards(path: str, shape: tuple, recipe: Recipe) -> int:
     return n
 
 
+def local_shape(path: str, shape: tuple, recipe: Recipe) -> tuple[int, ...]:
+    """The shape of the block of the parameter one device holds (``sharding.mesh.param_spec``)."""
+    from .mesh import param_spec
+
+    mshape = {"dp": recipe.dp, "ep": recipe.ep // recipe.dp, "tp": recipe.tp}
+    out = []
+    for n, axes in zip(shape, param_spec(path, tuple(shape), mshape)):
+        for a in () if axes is None else ((axes,) if isinstance(axes, str) else axes):
+            n //= mshape[a]
+        out.append(n)
+    return tuple(out)
+
+
+def retiled_per_device(inventory, recipe: Recipe) -> float:
+    """Bytes per device of the 16-bit layer-stacked weights XLA:TPU re-tiles inside every step
+    program: stored in the default ``(8, 128)`` tiling, read by the matmuls in ``(16, 128)``,
+    converted whole before the layer loop into a temporary as large as the stack. Which stacks:
+    rank >= 3, at least 16 rows and more than 128 columns per device — the ones libtpu 0.0.42.1
+    copies in K3's compiled steps (docs/compile.md, "What the step still re-tiles"). Storing the
+    parameters in the matmuls' tiling would remove this, but the compiler drops a tiling given
+    to a parameter that is split over devices (same page)."""
+    total = 0.0
+    for path, shape, itemsize in inventory:
+        if itemsize != 2 or len(shape) < 3:
+            continue
+        local = local_shape(path, shape, recipe)
+        if local[-2] >= 16 and local[-1] > 128:
+            total += math.prod(local) * itemsize
+    return total
+
+
 def weights_per_device(inventory, recipe: Recipe) -> float:
     """Parameter bytes each device holds (every device holds the same under these rules)."""
     return float(sum(math.prod(shape) * itemsize / shards(path, shape, recipe) for path, shape, itemsize in inventory))
