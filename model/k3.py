@@ -373,7 +373,8 @@ class KimiLM(nnx.Module):
                         *new, carry["state_pool"], carry["conv_pool"], kda_j, fb, q_lens, **kw)
                 else:
                     o_kda, carry["state_pool"], carry["conv_pool"] = ops.kda_layer_on_pools(
-                        *new, carry["state_pool"], carry["conv_pool"], kda_j, local_rows(fb.tok_row, fb.num_rows),
+                        new[0].reshape(T, -1), *new[1:], carry["state_pool"], carry["conv_pool"], kda_j,
+                        local_rows(fb.tok_row, fb.num_rows),
                         fb.cu_q_lens, q_lens, fb.start_pos, fb.read_slot, fb.write_slot, fb.fresh,
                         local_rows(fb.snap_row, fb.num_rows), fb.snap_len, fb.snap_slot, **kw)
             elif n_kda and (is_kda is not False):  # a non-KDA layer's zeros go to a dropped index

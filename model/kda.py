@@ -101,9 +101,12 @@ class KDA(nnx.Module):
 
     def project(self, x):
         """The per-token inputs of the layer's core on the pools (``ops.kda_layer_on_pools``):
-        raw ``q|k|v`` projections [T, 3P], the raw forget projection [T, P] (before
-        ``dt_bias``), beta [T, H] (fp32) and the raw output gate [T, P]."""
-        raw = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        raw ``q, k, v`` projections stacked [T, 3, P], the raw forget projection [T, P] (before
+        ``dt_bias``), beta [T, H] (fp32) and the raw output gate [T, P]. Stacked, not
+        concatenated along P: under a recipe P is split over heads, and XLA's partitioner
+        turned the concatenation of three head-split arrays into four all-to-alls per layer
+        (to token rows and back)."""
+        raw = jnp.stack([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=1)
         f = self.f_b_proj(self.f_a_proj(x))
         beta = jax.nn.sigmoid(matmul(x, self.b_proj.weight[...]).astype(F32))
         return raw, f, beta, self.output_gate(x)

@@ -48,8 +48,13 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        y = rms_normalize(x, self.eps).astype(x.dtype)
-        return (self.weight[...].astype(F32) * y.astype(F32)).astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+def rms_norm(x, weight, eps):
+    """:class:`RMSNorm` as a function of its weight."""
+    y = rms_normalize(x, eps).astype(x.dtype)
+    return (weight.astype(F32) * y.astype(F32)).astype(x.dtype)
 
 
 def situ(gate, up, beta: float, linear_beta: float):

@@ -10,12 +10,14 @@ Routed experts are kept packed (MXFP4) when the checkpoint is, and dequantized i
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ..kernels import ops
-from .layers import F32, GatedMLP, Linear, RMSNorm, gated_act, param
+from .layers import F32, GatedMLP, Linear, RMSNorm, gated_act, param, rms_norm
 
 
 class Router(nnx.Module):
@@ -93,14 +95,26 @@ class MoE(nnx.Module):
         if cfg.latent_moe and par is not None:
             z = par.latent_down(z)
         compute = jnp.float32 if x.dtype == jnp.float32 else x.dtype
-        ffn = ops.expert_ffn if par is None else par.expert_ffn  # par: per EP rank (sharding.ep)
-        r = ffn(z, idx, w, self.experts.weight("w1"), self.experts.weight("w2"), self.experts.weight("w3"), self.act,
-                cfg.num_experts, compute, valid=None if valid is None else valid.reshape(-1),
-                layer=group, backend=cfg.kernels).astype(x.dtype)
+        args = (z, idx, w, self.experts.weight("w1"), self.experts.weight("w2"), self.experts.weight("w3"), self.act,
+                cfg.num_experts, compute)
+        kw = dict(valid=None if valid is None else valid.reshape(-1), layer=group, backend=cfg.kernels)
+        # the latent RMSNorm follows the experts' output, cast to the model's dtype first
+        norm = cfg.latent_moe and cfg.latent_moe_use_norm
+        post = (functools.partial(_cast_norm, dtype=x.dtype, eps=cfg.rms_norm_eps),
+                (self.routed_expert_norm.weight[...],)) if norm else None
+        if par is None:
+            r = ops.expert_ffn(*args, **kw).astype(x.dtype)
+            if post is not None:
+                r = post[0](r, *post[1])
+        else:  # per EP rank (sharding.ep); the norm inside the exchange, on whole rows
+            r = par.expert_ffn(*args, latent=cfg.latent_moe, post=post, **kw).astype(x.dtype)
         if cfg.latent_moe:
-            if cfg.latent_moe_use_norm:
-                r = self.routed_expert_norm(r)
             r = self.routed_expert_up_proj(r if par is None else par.latent_up(r))
         if cfg.num_shared_experts:
             r = r + self.shared_experts(xf)
         return r.reshape(shape)
+
+
+def _cast_norm(r, weight, *, dtype, eps):
+    """The experts' output in the model's dtype, then the latent RMSNorm."""
+    return rms_norm(r.astype(dtype), weight, eps)

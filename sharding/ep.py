@@ -113,7 +113,8 @@ def resolve_impl(impl: str, mesh) -> str:
 
 
 def expert_ffn_ep(x, topk_idx, topk_w, w1, w2, w3, act, num_experts: int, compute_dtype=jnp.float32, *,
-                  mesh, impl: str = "auto", valid=None, layer=None, backend: str = "reference"):
+                  mesh, impl: str = "auto", valid=None, layer=None, backend: str = "reference",
+                  x_split: bool = False, post=None):
     """Expert-parallel ``expert_ffn``: x [N, K]; topk_idx/topk_w [N, k]; w1/w3 [E, I, K] and
     w2 [E, K, I] (dense or MXFP4 pairs) placed by ``param_spec`` on ``mesh`` (a
     ``build_mesh`` mesh). Call it under ``jax.jit`` with global arrays. Returns float32
@@ -124,7 +125,14 @@ def expert_ffn_ep(x, topk_idx, topk_w, w1, w2, w3, act, num_experts: int, comput
     weights (repacked at load, ``kernels.moe_gmm.repack_experts``): each rank's local experts
     run through the MXFP4 grouped-matmul kernel (``_local_experts_gmm``), which reads the
     whole stack in place with the layer as an index; otherwise this layer's slice is taken
-    and the experts are dequantized for ``ragged_dot``."""
+    and the experts are dequantized for ``ragged_dot``.
+
+    ``x_split``: ``x`` comes as the latent down-projection leaves it, columns split over the
+    attention group ``("ep", "tp")`` (rows over the DP groups); each rank gathers its tokens'
+    whole rows itself (a gather over ``"tp"`` and an all-to-all over ``"ep"``) instead of the
+    partitioner's three collectives. ``post``: ``(fn, args)``, applied as ``fn(out, *args)``
+    to the combined rows inside the exchange, where every device holds them whole (the latent
+    RMSNorm: outside, the partitioner computed it on column blocks and all-reduced the sums)."""
     gmm = backend != "reference" and _is_pair(w1)
     stacked = layer is not None and gmm  # the kernel indexes the stack: no per-layer slice
     if layer is not None and not gmm:
@@ -169,13 +177,17 @@ def expert_ffn_ep(x, topk_idx, topk_w, w1, w2, w3, act, num_experts: int, comput
 
         interpret = interpret_params()
     experts = functools.partial(_local_experts_gmm, interpret=interpret) if gmm else _local_experts
+    post_fn, post_args = post if post is not None else (None, ())
     body = functools.partial(_ep_body, act=act, E=E, ep=ep, n=n, k=k, compute_dtype=compute_dtype,
-                             impl=impl, h_split=h_split, y_split=y_split, experts=experts)
+                             impl=impl, h_split=h_split, y_split=y_split, experts=experts, tp_size=mshape["tp"],
+                             gather_x={a: mshape[a] for a in ("tp", "ep")} if x_split else None, post_fn=post_fn)
     tok = P(EXPERTS, None)
     w1, w2, w3 = (tuple(w) if _is_pair(w) else w for w in (w1, w2, w3))  # pytrees match in_w
     lay = jnp.asarray(0 if layer is None or not stacked else layer, jnp.int32)
-    out = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, in_w["w1"], in_w["w2"], in_w["w3"], P()),
-                        out_specs=P(), check_vma=False)(xp, idxp, wp, w1, w2, w3, lay)
+    x_spec = P("dp", ("ep", "tp")) if x_split else tok
+    out = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, tok, tok, in_w["w1"], in_w["w2"], in_w["w3"], P(),
+                                                   tuple(P() for _ in post_args)),
+                        out_specs=P(), check_vma=False)(xp, idxp, wp, w1, w2, w3, lay, tuple(post_args))
     return out[:N]
 
 
@@ -192,44 +204,65 @@ def _group_slots(group, num_groups: int):
     return start[group] + pos, pos, count[:num_groups], start[:num_groups]
 
 
-def _ep_body(x, idx, wts, w1, w2, w3, layer, *, act, E, ep, n, k, compute_dtype, impl, h_split, y_split,
-             experts):
-    """Per device: x [n, K], idx/wts [n, k] (this EP rank's tokens), this device's expert
-    blocks. Returns float32 [n*ep, K]: every token, on every device."""
+def _ep_body(x, idx, wts, w1, w2, w3, layer, post_args, *, act, E, ep, n, k, compute_dtype, impl, h_split,
+             y_split, experts, tp_size, gather_x, post_fn):
+    """Per device: x [n, K] (or, ``gather_x``, this DP group's rows and this device's column
+    block), idx/wts [n, k] (this EP rank's tokens), this device's expert blocks. Returns
+    float32 [n*ep, K] (or ``post_fn``'s result): every token, on every device."""
+    if gather_x is not None:  # columns block ep_rank * tp + tp_rank of the group's rows
+        if gather_x["tp"] > 1:
+            x = jax.lax.all_gather(x, "tp", axis=1, tiled=True)  # column block ep_rank of the rows
+        if gather_x["ep"] > 1:  # rows to their EP rank, column blocks from every EP rank
+            x = jax.lax.all_to_all(x, "ep", 0, 1, tiled=True)
+    out = _dispatch_combine(x, idx, wts, w1, w2, w3, layer, act=act, E=E, ep=ep, n=n, k=k,
+                            compute_dtype=compute_dtype, impl=impl, h_split=h_split, y_split=y_split,
+                            experts=experts, tp_size=tp_size)
+    return out if post_fn is None else post_fn(out, *post_args)
+
+
+def _dispatch_combine(x, idx, wts, w1, w2, w3, layer, *, act, E, ep, n, k, compute_dtype, impl, h_split, y_split,
+                      experts, tp_size):
+    """:func:`_ep_body` from this EP rank's whole token rows x [n, K]."""
     El = E // ep
     C = n * k  # capacity per (source, destination) = every pair this rank holds: exact
     i32 = jnp.int32
     K = x.shape[1]
 
-    # ---- dispatch bookkeeping: (token, choice) pair p = t*k + j goes to EP rank dest[p]
+    # ---- dispatch bookkeeping: (token, choice) pair p = t*k + j goes to EP rank dest[p], to
+    # its local expert lid[p]; pairs are ordered by (dest, lid), so each receiver's block from
+    # a source is sorted by local expert and the per-expert counts (sent with the sizes) say
+    # which rows are whose: no per-row expert ids are exchanged
     flat = idx.reshape(-1)
     valid = flat >= 0  # padding tokens carry -1 and are never sent
     dest = jnp.where(valid, flat // El, ep)  # ep = "nowhere"
     lid = jnp.where(valid, flat % El, El).astype(i32)  # El = "no expert" sentinel
-    slot, pos, count, start = _group_slots(dest.astype(i32), ep)
+    key = jnp.where(valid, dest * El + lid, ep * El).astype(i32)
+    slot, _, count_de, start_de = _group_slots(key, ep * El)
+    count_de = count_de.reshape(ep, El)  # pairs for (destination, its local expert)
+    count = count_de.sum(axis=1)  # pairs per destination
+    start = start_de.reshape(ep, El)[:, 0]  # where destination d's pairs begin in the send list
+    pos = slot - start[jnp.minimum(dest, ep - 1)]  # rank among the pairs for the same destination
     xs = x.astype(compute_dtype)[jnp.arange(n * k) // k]  # [n*k, K], pair order
 
     # ---- exchange: every receiver ends with ep*C rows, block j (C rows) from EP rank j
+    # sizes first: row d of the send is (rows for d, where they start here, rows per local expert)
+    meta = jax.lax.all_to_all(jnp.concatenate([count[:, None], start[:, None], count_de], axis=1).astype(i32),
+                              EXPERTS, 0, 0, tiled=True)
+    rcount, rstart, rcount_e = meta[:, 0], meta[:, 1], meta[:, 2:]  # from EP rank j: rows, their start, per expert
     if impl == "padded":
         send_x = jnp.zeros((ep, C, K), xs.dtype).at[dest, pos].set(xs, mode="drop")
-        send_l = jnp.full((ep, C), El, i32).at[dest, pos].set(lid, mode="drop")
         recv_x = jax.lax.all_to_all(send_x, EXPERTS, 0, 0, tiled=True).reshape(ep * C, K)
-        recv_l = jax.lax.all_to_all(send_l, EXPERTS, 0, 0, tiled=True).reshape(ep * C)
     elif impl == "ragged":
         # send list: pairs in destination order (rows start[d] .. start[d]+count[d] go to rank d)
         x_sorted = jnp.zeros_like(xs).at[slot].set(xs)
-        l_sorted = jnp.zeros_like(lid).at[slot].set(lid)
         me = jax.lax.axis_index(EXPERTS)
-        meta = jax.lax.all_to_all(jnp.stack([count, start], axis=1).astype(i32), EXPERTS, 0, 0, tiled=True)
-        rcount, rstart = meta[:, 0], meta[:, 1]  # rows rank j sends me; where they sit in j's list
         blocks = jnp.arange(ep, dtype=i32) * C
         to_my_block = jnp.full((ep,), me * C, i32)  # my rows land in block `me` of every receiver
         recv_x = _ragged_all_to_all(x_sorted, jnp.zeros((ep * C, K), xs.dtype), start, count,
                                     to_my_block, rcount, axis_name=EXPERTS)
-        recv_l = _ragged_all_to_all(l_sorted, jnp.full((ep * C,), El, i32), start, count,
-                                    to_my_block, rcount, axis_name=EXPERTS)
     else:
         raise ValueError(impl)
+    recv_l = _block_expert_ids(rcount_e, C, El)  # [ep*C]: each received row's local expert (El: none)
 
     # ---- this rank's experts on the received rows
     y_recv = experts(recv_x, recv_l, w1, w2, w3, act, El, compute_dtype, h_split, layer)  # [ep*C, K_loc]
@@ -246,10 +279,22 @@ def _ep_body(x, idx, wts, w1, w2, w3, layer, *, act, E, ep, n, k, compute_dtype,
     y_pairs = jnp.where(valid[:, None], y_pairs, 0.0).reshape(n, k, K_loc)
     out = jnp.einsum("njd,nj->nd", y_pairs, wts.astype(jnp.float32))  # [n, K_loc], fp32
 
-    out = jax.lax.all_gather(out, EXPERTS, axis=0, tiled=True)  # [n*ep, K_loc]: all tokens
-    if y_split:
-        out = jax.lax.all_gather(out, "tp", axis=1, tiled=True)  # [n*ep, K]
-    return out
+    if not y_split:
+        return jax.lax.all_gather(out, EXPERTS, axis=0, tiled=True)  # [n*ep, K]: all tokens
+    # every (EP rank, tp rank)'s [n, K_loc] block in one gather (not tokens, then columns):
+    # block e*tp + t holds EP rank e's tokens, columns t*K_loc .. (t+1)*K_loc
+    tp = tp_size
+    out = jax.lax.all_gather(out, EXPERTS + ("tp",), axis=0, tiled=False)  # [ep*tp, n, K_loc]
+    return out.reshape(ep, tp, n, K_loc).transpose(0, 2, 1, 3).reshape(ep * n, tp * K_loc)
+
+
+def _block_expert_ids(counts, C: int, El: int):
+    """The local expert of each of the ``ep * C`` receive rows: block ``j`` holds source ``j``'s
+    rows sorted by local expert, ``counts[j, e]`` of them for expert ``e``; rows past them are
+    unused (``El``)."""
+    ends = jnp.cumsum(counts, axis=1)  # [ep, El]
+    i = jnp.arange(C, dtype=ends.dtype)
+    return jnp.sum(ends[:, None, :] <= i[None, :, None], axis=2).astype(jnp.int32).reshape(-1)
 
 
 def _local_experts(xr, lr, w1, w2, w3, act, El, compute_dtype, h_split, layer=None):

@@ -276,7 +276,8 @@ class StepParallel:
         group on its own slots (slot ids made local to the group's block; others' dropped), each
         rank of the group on its heads of the state pool (``_slot_spec``: heads over ``ATTN``)
         and its block of the conv pool's channels (stored rank-major: the block is the rank's
-        heads' ``q | k | v``, exactly what the kernels read). Returns ``(o [T, H, d], state_pool, conv_pool)`` in the pools'
+        heads' ``q | k | v``, exactly what the kernels read). ``qkv_raw``: [T, 3, P] (``KDA.project``).
+        Returns ``(o [T, H, d], state_pool, conv_pool)`` in the pools'
         layouts."""
         from ..kernels import ops
         from ..model.step import local_rows
@@ -306,7 +307,7 @@ class StepParallel:
 
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=in_specs,
                            out_specs=(P(ax, h, None), st_spec, cv_spec), check_vma=False)
-        return fn(qkv_raw.reshape(T, 3, Pw), f, beta, gate_out, conv_w.reshape(3, Pw, W), A_log, dt_bias, o_norm,
+        return fn(qkv_raw, f, beta, gate_out, conv_w.reshape(3, Pw, W), A_log, dt_bias, o_norm,
                   state_pool, conv_pool, jnp.asarray(layer, jnp.int32), fb.tok_row, fb.cu_q_lens, q_lens,
                   fb.start_pos, fb.read_slot, fb.write_slot, fb.fresh, fb.snap_row, fb.snap_len, fb.snap_slot)
 
@@ -341,21 +342,26 @@ class StepParallel:
                              check_vma=False)(pool, slots, rows)
 
     # ------------------------------------------------------------------ experts
-    def expert_ffn(self, *args, backend: str = "reference", **kw):
+    def expert_ffn(self, *args, backend: str = "reference", latent: bool = False, post=None, **kw):
         """The routed experts: explicit EP dispatch/combine (``sharding.ep``) when the recipe
         has EP, and always for a Pallas backend with MXFP4 experts (the grouped-matmul kernel
         runs per rank on its local experts inside the dispatch's ``shard_map``: a kernel left to
         the Auto partitioner would have its sharded weights gathered whole); otherwise the
-        partitioner places ``ops.expert_ffn``."""
+        partitioner places ``ops.expert_ffn``. ``latent``: the input is the latent
+        down-projection's output (:meth:`latent_down`'s layout); ``post``: ``(fn, args)``
+        applied to the output (inside the exchange, where the rows are whole)."""
         from ..kernels import ops
 
         w1 = args[3]
         gmm = backend != "reference" and isinstance(w1, (tuple, list))
         if self.ep_impl is None and not gmm:
-            return ops.expert_ffn(*args, backend=backend, **kw)
+            out = ops.expert_ffn(*args, backend=backend, **kw)
+            return out if post is None else post[0](out, *post[1])
         from .ep import expert_ffn_ep
 
-        return expert_ffn_ep(*args, mesh=self.mesh, impl=self.ep_impl or "auto", backend=backend, **kw)
+        x_split = latent and self._latent_axes(args[0].shape[-1]) is not None
+        return expert_ffn_ep(*args, mesh=self.mesh, impl=self.ep_impl or "auto", backend=backend, x_split=x_split,
+                             post=post, **kw)
 
     # ------------------------------------------------------------------ latent MoE projections
     def _latent_axes(self, width: int):
@@ -363,17 +369,16 @@ class StepParallel:
         return ATTN if width % self.recipe.attn_group == 0 else None
 
     def latent_down(self, z):
-        """``z`` [T, latent], the output of the column-parallel latent down-projection, as
-        the expert dispatch reads it. Pinned first to the weight's layout (latent over
-        ``ATTN``: each device multiplies by its own rows of the weight), then whole per
-        DP group's tokens (an all-gather of activations). Without the first constraint
-        XLA's partitioner computed the projection in the dispatch's token layout, which
-        all-gathers the whole weight every MoE layer (measured: ``tools/step_collectives.py``)."""
+        """``z`` [T, latent], the output of the column-parallel latent down-projection, pinned
+        to the weight's layout (latent over ``ATTN``: each device multiplies by its own rows
+        of the weight); the expert dispatch gathers its tokens' rows from it itself
+        (``expert_ffn(latent=True)``). Without the constraint XLA's partitioner computed the
+        projection in the dispatch's token layout, which all-gathers the whole weight every
+        MoE layer (measured: ``tools/step_collectives.py``)."""
         ax = self._latent_axes(z.shape[-1])
         if ax is None:
             return z
-        z = jax.lax.with_sharding_constraint(z, NamedSharding(self.mesh, P(self.rows_axis, ax)))
-        return jax.lax.with_sharding_constraint(z, NamedSharding(self.mesh, P(self.rows_axis, None)))
+        return jax.lax.with_sharding_constraint(z, NamedSharding(self.mesh, P(self.rows_axis, ax)))
 
     def latent_up(self, r):
         """``r`` [T, latent], the experts' output (replicated), split over ``ATTN`` like the

@@ -210,7 +210,7 @@ def kda_pools_error(recipe: str) -> float:
                                fresh=fresh, snap_row=snap_row, snap_len=snap_len, snap_slot=snap_slot)
 
     def g(st, cv):
-        return par.kda_layer_on_pools(x["qkv"], x["f"], x["beta"], x["gate"], cw, A_log, dt_bias, o_norm,
+        return par.kda_layer_on_pools(x["qkv"].reshape(T, 3, P), x["f"], x["beta"], x["gate"], cw, A_log, dt_bias, o_norm,
                                       st, cv, layer, fb, jnp.asarray(q_lens), **kw)
 
     G = par.conv_groups(H)  # the pool stored rank-major over the heads' ranks

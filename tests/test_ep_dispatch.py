@@ -71,6 +71,23 @@ SCRIPT = textwrap.dedent('''
         return jax.jit(lambda x, i, w, w1, w2, w3: expert_ffn_ep(x, i, w, w1, w2, w3, act, E, jnp.float32,
                                                                   mesh=mesh, impl=impl))
 
+    # The ragged path's offset/size bookkeeping, checked with an EMULATED collective (all_gather
+    # + scatter with ragged_all_to_all's documented semantics): not the real op, which CPU lacks.
+    def emulated_ragged(operand, output, in_off, send, out_off, recv, *, axis_name):
+        me = jax.lax.axis_index(axis_name)
+        ops = jax.lax.all_gather(operand, axis_name)  # [ep, M, ...]
+        lo = jax.lax.all_gather(in_off, axis_name)[:, me][:, None]
+        sz = jax.lax.all_gather(send, axis_name)[:, me]
+        dst = jax.lax.all_gather(out_off, axis_name)[:, me][:, None]
+        rows = jnp.arange(operand.shape[0])[None, :]
+        ok = (rows >= lo) & (rows < lo + sz[:, None])
+        tgt = jnp.where(ok, dst + rows - lo, output.shape[0]).reshape(-1)
+        res = output.at[tgt].set(ops.reshape(-1, *operand.shape[1:]), mode="drop")
+        bad = jnp.any(recv != sz)  # recv_sizes must be what the sources send
+        return jnp.where(bad, jnp.full_like(res, -1), res)
+    # 16 tokens (rows divide over the DP groups) for the split-input case
+    cases16 = (np.concatenate([cases["n13"][0], rng.normal(size=(3, K)).astype(np.float32)]),
+               np.concatenate([cases["n13"][1], cases["n13"][1][:3]]), np.concatenate([cases["n13"][2], cases["n13"][2][:3]]))
     out = {"cases": {}}
     devices = jax.devices()
     for spec in ("ep=4,tp=2", "ep=4,tp=2,dp=2", "ep=8,tp=1"):
@@ -103,6 +120,26 @@ SCRIPT = textwrap.dedent('''
                 *jax.device_put((x, i, w, v, dense["w1"], dense["w2"], dense["w3"]), devices[0]))
             out["valid"] = {"err": rel(yv, np.asarray(rv, np.float64)), "zero": bool((yv[~v] == 0).all()),
                             "rest": rel(yv[v], ref("dense", "n13", cases["n13"])[v])}
+        if spec != "ep=8,tp=1":  # x as the latent down-projection leaves it (columns over ("ep", "tp"), rows
+            # over "dp"), gathered inside the exchange, and a post function (an RMSNorm) on whole rows
+            pd = place(mesh, dense)
+            nw = (1.0 + rng.normal(size=(K,)) / 4).astype(np.float32)
+            norm = lambda y, w: w * y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
+            x16, i16, w16 = cases16
+            xs = jax.device_put(x16, NamedSharding(mesh, PartitionSpec("dp", ("ep", "tp"))))
+            want = np.asarray(norm(jnp.asarray(ref("dense", "n16", (x16, i16, w16))), nw), np.float64)
+            for impl in ("padded", "ragged"):
+                if impl == "ragged":
+                    ep_mod._ragged_all_to_all = emulated_ragged
+                try:
+                    fs = jax.jit(lambda x, i, w, w1, w2, w3, nw: expert_ffn_ep(
+                        x, i, w, w1, w2, w3, act, E, jnp.float32, mesh=mesh, impl=impl, x_split=True,
+                        post=(norm, (nw,))))
+                    ys = fs(xs, i16, w16, pd["w1"], pd["w2"], pd["w3"], nw)
+                    out["cases_split"] = out.get("cases_split", {})
+                    out["cases_split"][f"{spec}/{impl}"] = {"err": rel(ys, want), "shape": list(ys.shape)}
+                finally:
+                    ep_mod._ragged_all_to_all = jax.lax.ragged_all_to_all
         if spec == "ep=4,tp=2,dp=2":
             pd = place(mesh, dense)
             args = (*cases["n13"], pd["w1"], pd["w2"], pd["w3"])
@@ -115,21 +152,7 @@ SCRIPT = textwrap.dedent('''
             except Exception as e:  # XLA:CPU has no ragged-all-to-all
                 out["ragged_cpu"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
 
-            # The ragged path's offset/size bookkeeping, checked with an EMULATED collective (all_gather
-            # + scatter with ragged_all_to_all's documented semantics): not the real op, which CPU lacks.
-            def emulated(operand, output, in_off, send, out_off, recv, *, axis_name):
-                me = jax.lax.axis_index(axis_name)
-                ops = jax.lax.all_gather(operand, axis_name)  # [ep, M, ...]
-                lo = jax.lax.all_gather(in_off, axis_name)[:, me][:, None]
-                sz = jax.lax.all_gather(send, axis_name)[:, me]
-                dst = jax.lax.all_gather(out_off, axis_name)[:, me][:, None]
-                rows = jnp.arange(operand.shape[0])[None, :]
-                ok = (rows >= lo) & (rows < lo + sz[:, None])
-                tgt = jnp.where(ok, dst + rows - lo, output.shape[0]).reshape(-1)
-                res = output.at[tgt].set(ops.reshape(-1, *operand.shape[1:]), mode="drop")
-                bad = jnp.any(recv != sz)  # recv_sizes must be what the sources send
-                return jnp.where(bad, jnp.full_like(res, -1), res)
-            ep_mod._ragged_all_to_all = emulated
+            ep_mod._ragged_all_to_all = emulated_ragged
             try:
                 g = jitted(mesh, "ragged")
                 ys = [g(*c, pd["w1"], pd["w2"], pd["w3"]) for c in (cases["n13"], same_rank_case(El))]
@@ -185,6 +208,17 @@ def test_ragged_offsets_with_emulated_collective():
     res = _run()
     assert res["hlo_ragged_has_ragged"], "impl='ragged' did not lower to ragged_all_to_all"
     assert res["ragged_emulated_err"] <= 1e-5, res["ragged_emulated_err"]
+
+
+def test_latent_split_input_and_post_function():
+    """``x_split``: the input arrives split over the attention group by columns (and over the
+    DP groups by rows) and each rank gathers its tokens' rows itself; ``post`` (here an
+    RMSNorm) runs on the combined rows inside the exchange. Both exchanges (the ragged one
+    with the emulated collective), dp = 1 and 2: the single-device result, normalised."""
+    cs = _run()["cases_split"]
+    assert set(cs) == {f"{s}/{i}" for s in ("ep=4,tp=2", "ep=4,tp=2,dp=2") for i in ("padded", "ragged")}, cs
+    for name, c in cs.items():
+        assert c["err"] <= 1e-5 and c["shape"] == [16, 64], (name, c)
 
 
 def test_ragged_all_to_all_matches_single_device():
