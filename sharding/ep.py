@@ -16,11 +16,15 @@ Algorithm, per device (EP rank ``r``, tp rank ``t``):
    ``[r*n, (r+1)*n)`` (replicated over ``"tp"``). Padding tokens (and tokens the caller marks
    invalid with ``valid``) get expert id -1 and weight 0 and are never dispatched.
 2. Dispatch: each of the ``n*k`` (token, choice) pairs goes to EP rank ``expert // (E/ep)``
-   with its local expert id ``expert % (E/ep)``. Each pair's rank among the pairs with the
-   same destination (``pos``) and the destination-major order (``start[d]``, ``count[d]``)
-   come from a one-hot cumsum (a stable counting sort, no ``argsort``). Every receiver keeps
-   one block of ``C`` rows per source rank (``[ep*C, K]`` receive buffer; block ``j`` row
-   ``i`` = the ``i``-th pair rank ``j`` sends here).
+   with its local expert id ``expert % (E/ep)``. The pairs are ordered by (destination, local
+   expert) with a one-hot cumsum (a stable counting sort, no ``argsort``), which gives each
+   pair's rank among the pairs with the same destination (``pos``), where each destination's
+   pairs start (``start[d]``) and how many go to each (destination, expert). One small
+   ``all_to_all`` of those sizes tells every receiver how many rows each source sends and how
+   many of them are for each of its experts; the rows arrive sorted by expert, so no per-row
+   expert id travels. Every receiver keeps one block of ``C`` rows per source rank
+   (``[ep*C, K]`` receive buffer; block ``j`` row ``i`` = the ``i``-th pair rank ``j`` sends
+   here).
 3. Local experts: the receiver groups its rows by local expert (same counting sort) and runs
    ``jax.lax.ragged_dot`` against its ``E/ep`` experts (MXFP4 dequantized with
    ``kernels.mxfp4.unpack_mxfp4``; with a Pallas backend and MXFP4 weights instead the MXFP4
@@ -30,8 +34,14 @@ Algorithm, per device (EP rank ``r``, tp rank ``t``):
    arithmetic, only the expert's K columns are split), then ``y = h W2ᵀ`` on its ``K/tp`` columns.
 4. Combine: the rows go back to their source with the inverse exchange; the source puts
    them back in (token, choice) order, weights by ``topk_w`` and sums the ``k`` choices (fp32),
-   then ``all_gather`` over the EP axes (tokens) and over ``"tp"`` (K columns) leaves all
-   ``N`` tokens on every device; the padding is stripped.
+   then one ``all_gather`` over the EP axes and ``"tp"`` together (tokens and K columns)
+   leaves all ``N`` tokens on every device; the padding is stripped.
+
+The latent MoE's input arrives split by columns over the attention group (``x_split``: the
+down-projection's layout) and each rank gathers its own tokens' rows inside the exchange;
+its RMSNorm runs inside too, on the combined rows (``post``). Collectives per MoE layer on a
+decode step under EP×TP (ragged): the input gather, the sizes, the dispatch, the gather of
+``h`` over ``"tp"``, the combine, the output gather (docs/compile.md, "Collectives").
 
 A dim that ``param_spec`` leaves whole (it does not divide by tp) is consumed whole: no
 gather of ``h`` when ``I % tp``, full K columns on every tp rank when ``K % tp``. Experts
@@ -51,9 +61,9 @@ Two exchanges implement steps 2 and 4 (same receive layout, same results):
   `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter").
 * ``impl="ragged"``: ``jax.lax.ragged_all_to_all`` sends only the used rows (the pairs in
   destination-major order, ``input_offsets = start``, ``send_sizes = count``, landing at
-  ``output_offsets = me * C``, block ``me`` of each receiver). One small ``all_to_all`` of
-  ``(count, start)`` first gives each receiver its ``recv_sizes`` and, for the way back,
-  where each source's rows sit in that source's send list. The buffers keep the static
+  ``output_offsets = me * C``, block ``me`` of each receiver). The sizes' ``all_to_all``
+  gives each receiver its ``recv_sizes`` and, for the way back, where each source's rows
+  sit in that source's send list. The buffers keep the static
   ``ep * C`` size; what shrinks is the traffic.
 * ``impl="auto"`` (default): ``"padded"`` when the mesh's devices are CPUs, else
   ``"ragged"`` (GPU and TPU implement the ragged collective; checked on one H200 with
@@ -72,6 +82,9 @@ from ..kernels.mxfp4 import unpack_mxfp4
 from .mesh import EXPERTS, param_spec
 
 IMPLS = ("auto", "padded", "ragged")
+# a split input this small (the whole group's rows, all columns) is gathered whole in one
+# collective: at decode sizes a collective's latency, not its bytes, is the cost
+_GATHER_WHOLE_BYTES = 1 << 20
 _ragged_all_to_all = jax.lax.ragged_all_to_all  # module-level so a CPU test can check the offsets with an emulation
 _EXPERT_PATH = "layers.0.block_sparse_moe.experts."
 
@@ -210,10 +223,16 @@ def _ep_body(x, idx, wts, w1, w2, w3, layer, post_args, *, act, E, ep, n, k, com
     block), idx/wts [n, k] (this EP rank's tokens), this device's expert blocks. Returns
     float32 [n*ep, K] (or ``post_fn``'s result): every token, on every device."""
     if gather_x is not None:  # columns block ep_rank * tp + tp_rank of the group's rows
-        if gather_x["tp"] > 1:
-            x = jax.lax.all_gather(x, "tp", axis=1, tiled=True)  # column block ep_rank of the rows
-        if gather_x["ep"] > 1:  # rows to their EP rank, column blocks from every EP rank
-            x = jax.lax.all_to_all(x, "ep", 0, 1, tiled=True)
+        whole = x.size * x.dtype.itemsize * gather_x["ep"] * gather_x["tp"]
+        if gather_x["tp"] > 1 and gather_x["ep"] > 1 and whole <= _GATHER_WHOLE_BYTES:
+            # few rows (a decode step): one gather of the whole group, then this rank's rows
+            x = jax.lax.all_gather(x, ("ep", "tp"), axis=1, tiled=True)
+            x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("ep") * n, n, 0)
+        else:  # two collectives, each moving only what its receiver keeps
+            if gather_x["tp"] > 1:
+                x = jax.lax.all_gather(x, "tp", axis=1, tiled=True)  # column block ep_rank of the rows
+            if gather_x["ep"] > 1:  # rows to their EP rank, column blocks from every EP rank
+                x = jax.lax.all_to_all(x, "ep", 0, 1, tiled=True)
     out = _dispatch_combine(x, idx, wts, w1, w2, w3, layer, act=act, E=E, ep=ep, n=n, k=k,
                             compute_dtype=compute_dtype, impl=impl, h_split=h_split, y_split=y_split,
                             experts=experts, tp_size=tp_size)

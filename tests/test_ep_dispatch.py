@@ -88,6 +88,7 @@ SCRIPT = textwrap.dedent('''
     # 16 tokens (rows divide over the DP groups) for the split-input case
     cases16 = (np.concatenate([cases["n13"][0], rng.normal(size=(3, K)).astype(np.float32)]),
                np.concatenate([cases["n13"][1], cases["n13"][1][:3]]), np.concatenate([cases["n13"][2], cases["n13"][2][:3]]))
+    whole_bytes = ep_mod._GATHER_WHOLE_BYTES
     out = {"cases": {}}
     devices = jax.devices()
     for spec in ("ep=4,tp=2", "ep=4,tp=2,dp=2", "ep=8,tp=1"):
@@ -128,18 +129,22 @@ SCRIPT = textwrap.dedent('''
             x16, i16, w16 = cases16
             xs = jax.device_put(x16, NamedSharding(mesh, PartitionSpec("dp", ("ep", "tp"))))
             want = np.asarray(norm(jnp.asarray(ref("dense", "n16", (x16, i16, w16))), nw), np.float64)
-            for impl in ("padded", "ragged"):
+            for variant in ("padded", "ragged", "padded/two-collectives"):
+                impl = variant.split("/")[0]
                 if impl == "ragged":
                     ep_mod._ragged_all_to_all = emulated_ragged
+                if variant.endswith("two-collectives"):  # the gather over "tp", then the all-to-all over "ep"
+                    ep_mod._GATHER_WHOLE_BYTES = 0
                 try:
                     fs = jax.jit(lambda x, i, w, w1, w2, w3, nw: expert_ffn_ep(
                         x, i, w, w1, w2, w3, act, E, jnp.float32, mesh=mesh, impl=impl, x_split=True,
                         post=(norm, (nw,))))
                     ys = fs(xs, i16, w16, pd["w1"], pd["w2"], pd["w3"], nw)
                     out["cases_split"] = out.get("cases_split", {})
-                    out["cases_split"][f"{spec}/{impl}"] = {"err": rel(ys, want), "shape": list(ys.shape)}
+                    out["cases_split"][f"{spec}/{variant}"] = {"err": rel(ys, want), "shape": list(ys.shape)}
                 finally:
                     ep_mod._ragged_all_to_all = jax.lax.ragged_all_to_all
+                    ep_mod._GATHER_WHOLE_BYTES = whole_bytes
         if spec == "ep=4,tp=2,dp=2":
             pd = place(mesh, dense)
             args = (*cases["n13"], pd["w1"], pd["w2"], pd["w3"])
@@ -214,9 +219,12 @@ def test_latent_split_input_and_post_function():
     """``x_split``: the input arrives split over the attention group by columns (and over the
     DP groups by rows) and each rank gathers its tokens' rows itself; ``post`` (here an
     RMSNorm) runs on the combined rows inside the exchange. Both exchanges (the ragged one
-    with the emulated collective), dp = 1 and 2: the single-device result, normalised."""
+    with the emulated collective), the input gathered whole in one collective (small) and in
+    two (a gather over "tp", an all-to-all over "ep"), dp = 1 and 2: the single-device result,
+    normalised."""
     cs = _run()["cases_split"]
-    assert set(cs) == {f"{s}/{i}" for s in ("ep=4,tp=2", "ep=4,tp=2,dp=2") for i in ("padded", "ragged")}, cs
+    assert set(cs) == {f"{s}/{i}" for s in ("ep=4,tp=2", "ep=4,tp=2,dp=2")
+                       for i in ("padded", "ragged", "padded/two-collectives")}, cs
     for name, c in cs.items():
         assert c["err"] <= 1e-5 and c["shape"] == [16, 64], (name, c)
 
