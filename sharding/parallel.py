@@ -233,11 +233,7 @@ class StepParallel:
         dcp, dcp_ax = self.dcp, self.dcp_axes
         q_spec, r_spec, pool_spec = self._mla_specs()
 
-        Lq, rope_dtype = q_lat.shape[-1], q_rope.dtype
-
-        def local(q, rows, pool, table, tok_row, pos, kv_lens, cu, q_lens, layer):
-            # the two query parts travel as one array (one gather of the heads, not two)
-            q_lat, q_rope = q[..., :Lq], q[..., Lq:].astype(rope_dtype)
+        def local(q_lat, q_rope, rows, pool, table, tok_row, pos, kv_lens, cu, q_lens, layer):
             tok_row = local_rows(tok_row, q_lens.shape[0])
             ppr = pool.shape[1]
             local_table = self._local_table(table, ppr)
@@ -259,10 +255,10 @@ class StepParallel:
             return num / jnp.where(den > 0, den, 1.0)[..., None], pool
 
         fn = jax.shard_map(local, mesh=self.mesh,
-                           in_specs=(q_spec, r_spec, pool_spec, r_spec, r_spec, r_spec, r_spec, r_spec, r_spec, P()),
+                           in_specs=(q_spec, q_spec, r_spec, pool_spec, r_spec, r_spec, r_spec, r_spec, r_spec, r_spec,
+                                     P()),
                            out_specs=(q_spec, pool_spec), check_vma=False)
-        q = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)
-        return fn(q, rows, kv_pool, fb.page_table, tok_row, fb.pos, fb.kv_lens, fb.cu_q_lens, q_lens,
+        return fn(q_lat, q_rope, rows, kv_pool, fb.page_table, tok_row, fb.pos, fb.kv_lens, fb.cu_q_lens, q_lens,
                   jnp.asarray(layer, jnp.int32))
 
     def _kda_split(self, kda_heads: int) -> bool:
