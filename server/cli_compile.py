@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-memory-gb", type=float, default=None)
     p.add_argument("--num-pages", type=int, default=None)
     add_prefix_flags(p)
+    p.add_argument("--role", choices=["unified", "prefill", "decode"], default="unified",
+                   help="serve's P/D role: a prefill server also compiles its exports' cut programs, a decode "
+                        "server its imports' loads (default unified)")
+    p.add_argument("--pd-handoff-memory-gb", type=float, default=4.0,
+                   help="serve's handoff memory of a P/D server (counted in the capacity plan)")
     p.add_argument("--only", default=None, metavar="REGEX",
                    help="compile only the programs whose name matches (e.g. 'step|decode'); the rest are not "
                         "reported, and the per-device total counts only their temporaries")
@@ -86,9 +91,12 @@ def engine_kwargs(args) -> dict:
     """The engine keywords of serve's flags (as ``api.engine_args.build_engine`` passes them)."""
     kv = dict(kv_memory_bytes=int(args.kv_memory_gb * (1 << 30))) if args.kv_memory_gb else (
         dict(num_pages=args.num_pages) if args.num_pages else {})
+    from .api.engine_args import pd_handoff_bytes
+
     return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 chunk_size=args.chunk_size, page_size=args.page_size, max_model_len=args.max_model_len,
-                bucket_growth=args.bucket_growth, **prefix_kwargs(args), **kv)
+                bucket_growth=args.bucket_growth, pd_role=None if args.role == "unified" else args.role,
+                pd_handoff_bytes=pd_handoff_bytes(args), **prefix_kwargs(args), **kv)
 
 
 def _failed(name: str, error: str, seconds: float = 0.0) -> dict:

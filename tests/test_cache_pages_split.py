@@ -1,6 +1,6 @@
 """The cache's page programs on an MLA pool split over devices (``cache.device_ops``): a page
 copy, a read and a load give what they give on one device, each device reading and writing
-only its own pages.
+only its own pages (a load zeroes the positions past the prompt).
 
 Why: indexed on the global pool, XLA's partitioner copied the whole pool for a one-page copy
 or load (K3 under v7-32-decode: 15 GiB of temporaries per device, ``k3serve compile``). The
@@ -35,9 +35,10 @@ SCRIPT = textwrap.dedent('''
         copied = jax.jit(lambda kv, s, t: d._write_pages(kv, t, d._read_pages(kv, s, split), split))(placed, src, dst)
         rows = rng.normal(size=(L, 4, ps, W)).astype(np.float32)
         idx = jnp.asarray([5, pages, 26, 12], jnp.int32)  # `pages`: padding, dropped
-        loaded = jax.jit(lambda kv, i, r: d._write_pages(kv, i, r, split))(placed, idx, rows)
+        keep = np.ones((4, ps), bool); keep[2, 1:] = False  # a prompt ending inside page 26
+        loaded = jax.jit(lambda kv, i, r, k: d._write_pages(kv, i, r, split, k))(placed, idx, rows, keep)
         want_copy = kv.copy(); want_copy[:, np.asarray(dst)] = kv[:, np.asarray(src)]
-        want_load = kv.copy(); want_load[:, [5, 26, 12]] = rows[:, [0, 2, 3]]
+        want_load = kv.copy(); want_load[:, [5, 26, 12]] = np.where(keep[None, [0, 2, 3], :, None], rows[:, [0, 2, 3]], 0)
         out[name] = {"split": list(split[2]), "read": bool(np.array_equal(np.asarray(read), kv[:, np.asarray(src)])),
                      "copy": bool(np.array_equal(np.asarray(copied), want_copy)),
                      "load": bool(np.array_equal(np.asarray(loaded), want_load)),

@@ -133,3 +133,22 @@ def test_k3_head_widths_compile_all_four_kernels_under_a_recipe(tmp_path):
     (step,) = rep["programs"]
     assert step["name"] == "step[T=4]"
     assert set(step["kernels"]) == {"mxfp4_gmm", "mla_ragged_attention_kernel", "kda_decode", "kda_prefill"}
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_pd_role_compiles_its_handoff_programs(small_config, tmp_path, role):
+    """``--role``: a P/D prefill server's exports (reads) and the cuts a decode can ask of them
+    (``deal.warm_cuts``), a decode server's imports (loads at ``dp * dcp * Pb`` pages) -- the
+    programs ``serve --role`` warms -- compile for TPU under a recipe with DCP."""
+    rc, rep = _compile(small_config, tmp_path, "--recipe", "ep=4,tp=2,dcp=8", *_SMALL_ENGINE[:-1],
+                       "--role", role, "--only", "^(cache_read|cache_load|deal)", "--no-decode-costs")
+    assert rc == 0, [p["error"] for p in rep["programs"] if not p["ok"]]
+    names = [p["name"] for p in rep["programs"]]
+    if role == "prefill":  # 512 tokens of 16-token pages: exports of 1..32 pages; 8 heads
+        assert "cache_read[32]" in names and not any(n.startswith("cache_load") for n in names), names
+        assert {f"deal[32]:heads[{c}]" for c in (1, 2, 4, 8)} | {f"deal[32]:pages[{p}]" for p in (1, 2, 32)} \
+            <= set(names), names
+    else:  # dp * dcp * Pb pages, Pb = 1, 2, 4 (32 pages over 8 DCP ranks)
+        assert {"cache_load[8]", "cache_load[16]", "cache_load[32]"} <= set(names), names
+        assert not any(n.startswith("deal") for n in names), names
+    assert all(p["ok"] for p in rep["programs"])

@@ -8,7 +8,8 @@ parameters, cache and token table are placed ``ShapeDtypeStruct``s; ``Engine``'s
 ``Runner``'s seam), and each program is the runner's or cache manager's own jitted function,
 lowered on the arguments warm-up would give it (``Runner.warmup``, ``warm_programs``): a step
 program per token bucket, a sampling program per row count (on the step's outputs), the
-token-table row write, the prefix-cache copies, the host-tier reads and loads.
+token-table row write, the prefix-cache copies, the host-tier reads and loads, and a P/D
+server's export cuts (prefill) and import loads (decode).
 
 Per-step costs: XLA:TPU's cost analysis counts a loop body once, and the step scans its
 layers, so :func:`decode_costs` compiles the decode step of one-layer (and one two-layer)
@@ -79,8 +80,9 @@ def _attempt(name: str, lower, context, compile: bool = True) -> tuple[Built, ob
 
 
 def serving_programs(engine, context=contextlib.nullcontext, want=lambda name: True):
-    """Compile every program ``serve`` compiles for ``engine``'s configuration (a unified
-    server: no P/D cut programs); yields a :class:`Built` per program, in warm-up's order.
+    """Compile every program ``serve`` compiles for ``engine``'s configuration (its P/D role's
+    too: a prefill server's export reads and cuts, a decode server's import loads); yields a
+    :class:`Built` per program, in warm-up's order.
     ``want(name)``: False skips a program (a sampler whose step is skipped still lowers it)."""
     run, mgr = engine.runner, engine.cache_mgr
     params, cache = engine.model.params, mgr.device_cache
@@ -117,14 +119,20 @@ def serving_programs(engine, context=contextlib.nullcontext, want=lambda name: T
         built, _ = attempt(name, lower)
         if built is not None:
             yield built
-    widths = small_program_widths(engine, None)
+    widths = small_program_widths(engine, engine.pd_role)
     for w in sorted(set(widths["read"]) | set(widths["load"])):
         load = w in widths["load"] and want(f"cache_load[{w}]")
+        cuts = engine.pd_role == "prefill" and w in widths["read"] and want(f"deal[{w}]")
         name = f"cache_read[{w}]"
         built, src = _attempt(name, lambda w=w: mgr._program("read").lower(cache, _sds(()), _sds((w,))), context,
-                              compile=want(name)) if want(name) or load else (None, None)
+                              compile=want(name)) if want(name) or load or cuts else (None, None)
         if want(name):
             yield built
+        if cuts:  # a P/D prefill server's export of w pages, cut into a decode's pieces (deal.warm_cuts)
+            if src is None:
+                yield Built(f"deal[{w}]", None, 0.0, "not lowered: its read program did not lower")
+            else:
+                yield from _cut_programs(w, src.out_info, context)
         if load:
             if src is None:
                 yield Built(f"cache_load[{w}]", None, 0.0, "not lowered: its read program did not lower")
@@ -132,6 +140,21 @@ def serving_programs(engine, context=contextlib.nullcontext, want=lambda name: T
             state, conv, rows = src.out_info
             yield _attempt(f"cache_load[{w}]", lambda w=w, st=state, cv=conv, rw=rows: mgr._program("load").lower(
                 cache, _sds((w,)), _sds((w,)), rw, _sds(()), _sds(()), st, cv), context)[0]
+
+
+def _cut_programs(w: int, export, context):
+    """The cut programs of a ``w``-page export (``deal.warm_cuts``'s set): a state piece per
+    head count dividing the heads, a rows piece per power of two of pages up to ``w``."""
+    from .cache import deal
+
+    state, _, rows = export
+    H, width = state.shape[1], rows.shape[1]
+    for count in (c for c in range(1, H + 1) if H % c == 0):
+        yield _attempt(f"deal[{w}]:heads[{count}]", lambda c=count: deal._heads.lower(state, _sds(()), c), context)[0]
+    pb = 1
+    while pb <= width:
+        yield _attempt(f"deal[{w}]:pages[{pb}]", lambda p=pb: deal._pages.lower(rows, _sds((p,))), context)[0]
+        pb *= 2
 
 
 def decode_bucket(engine) -> int:

@@ -64,18 +64,26 @@ def _read_pages(kv, idx, split=None):
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, P()), out_specs=P(), check_vma=False)(kv, idx)
 
 
-def _write_pages(kv, idx, rows, split=None):
-    """``kv.at[:, idx].set(rows, mode="drop")`` (an index past the pool is dropped)."""
+def _write_pages(kv, idx, rows, split=None, keep=None):
+    """``kv.at[:, idx].set(rows, mode="drop")`` (an index past the pool is dropped); ``keep``
+    ([n, page_size] bool, optional): positions not kept are written as zeros. The mask and the
+    cast to the pool's dtype happen where the rows are written, not on a copy of all of them."""
+    def put(kv, idx, rows, keep):
+        if keep is not None:
+            rows = jnp.where(keep[None, :, :, None], rows, jnp.zeros((), rows.dtype))
+        return kv.at[:, idx].set(rows.astype(kv.dtype), mode="drop")
+
     if split is None:
-        return kv.at[:, idx].set(rows, mode="drop")
+        return put(kv, idx, rows, keep)
     mesh, spec, axes = split
 
-    def local(kv, idx, rows):
+    def local(kv, idx, rows, keep):
         ppr = kv.shape[1]
         loc = idx - _first_page(mesh, axes, ppr)
-        return kv.at[:, jnp.where((loc >= 0) & (loc < ppr), loc, ppr)].set(rows, mode="drop")
+        return put(kv, jnp.where((loc >= 0) & (loc < ppr), loc, ppr), rows, keep)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, P(), P()), out_specs=spec, check_vma=False)(kv, idx, rows)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, P(), P(), P()), out_specs=spec,
+                         check_vma=False)(kv, idx, rows, keep)
 
 
 def _copy_pages(cache, src, dst, *, split=None):
@@ -94,8 +102,7 @@ def _load_prefix(cache, idx, pos0, rows, tokens, slot, state, conv, *, conv_grou
     index past the pool's end is padding: its rows are dropped."""
     ps = rows.shape[2]
     keep = (pos0[:, None] + jnp.arange(ps)[None, :]) < tokens
-    rows = jnp.where(keep[None, :, :, None], rows, 0)
-    return dataclasses.replace(cache, mla_kv=_write_pages(cache.mla_kv, idx, rows.astype(cache.mla_kv.dtype), split),
+    return dataclasses.replace(cache, mla_kv=_write_pages(cache.mla_kv, idx, rows, split, keep),
                                kda_state=cache.kda_state.at[:, slot].set(state),
                                kda_conv=cache.kda_conv.at[:, slot].set(conv_rank_major(conv, conv_groups)))
 
