@@ -8,11 +8,13 @@ the logical ``q | k | v`` order, whatever the pool's (rank-major over ``conv_gro
 when the KDA heads are split: ``model.cache.conv_rank_major``), so host-tier entries and P/D
 handoffs do not depend on the recipe.
 
-Pages are read and written per device when the MLA pool's pages are split over devices (DCP,
-attention DP): each device reads the pages it holds (the others' rows summed in as zeros over
-the page axes: a few pages travel) and writes only the pages it holds. Indexed on the global
-pool, XLA's partitioner copied the whole pool for a one-page copy or load (K3 under
-v7-32-decode: 15 GiB of temporaries and 145 GB accessed per device, ``k3serve compile``).
+Pages and slots are read and written per device when a pool's rows are split over devices
+(the MLA pool's pages over DCP and attention DP, the KDA pools' slots over attention DP):
+each device reads the rows it holds (the others' summed in as zeros over the split axes: a
+few rows travel) and writes only the rows it holds. Indexed on the global pool, XLA's
+partitioner copied the whole pool for a one-page copy or load (K3 under v7-32-decode: 15 GiB
+of temporaries and 145 GB accessed per device, ``k3serve compile``; under
+v7-32-decode-dp2 a one-slot load another 5.6 GiB for the KDA state pool).
 """
 from __future__ import annotations
 
@@ -26,94 +28,112 @@ from jax.sharding import PartitionSpec as P
 from ....model.cache import conv_logical, conv_rank_major
 
 
-def page_split(kv):
-    """``(mesh, spec, axes)`` when the placed MLA pool ``kv``'s page dim (1) is split over mesh
-    axes, else None: bound into the programs when they are jitted (their traced arguments do
-    not carry the placement)."""
-    sh = getattr(kv, "sharding", None)
+def split_of(pool):
+    """``(mesh, spec, axes)`` when the placed pool's row dim (1: pages, slots) is split over
+    mesh axes, else None: bound into the programs when they are jitted (their traced
+    arguments do not carry the placement)."""
+    sh = getattr(pool, "sharding", None)
     if not isinstance(sh, NamedSharding):
         return None
-    spec = tuple(sh.spec) + (None,) * (kv.ndim - len(sh.spec))
+    spec = tuple(sh.spec) + (None,) * (pool.ndim - len(sh.spec))
     if spec[1] is None:
         return None
     axes = spec[1] if isinstance(spec[1], tuple) else (spec[1],)
     return sh.mesh, P(*spec), axes
 
 
-def _first_page(mesh, axes, ppr):
-    """The global id of this device's first page (its block along ``axes``, row-major)."""
+def splits_of(cache) -> dict:
+    """:func:`split_of` of the three pools, by the programs' keyword names."""
+    return {"kv_split": split_of(cache.mla_kv), "st_split": split_of(cache.kda_state),
+            "cv_split": split_of(cache.kda_conv)}
+
+
+def _first_row(mesh, axes, n):
+    """The global index of this device's first row (its block along ``axes``, row-major)."""
     i = 0
     for a in axes:
         i = i * mesh.shape[a] + jax.lax.axis_index(a)
-    return i * ppr
+    return i * n
 
 
-def _read_pages(kv, idx, split=None):
-    """``kv[:, idx]`` whole on every device (``split``: :func:`page_split` of the pool)."""
+def _rows_spec(spec):
+    """The layout of rows taken from a pool laid out as ``spec``: the row dim whole."""
+    return P(spec[0], None, *spec[2:])
+
+
+def _read_rows(pool, idx, split=None):
+    """``pool[:, idx]``, the rows whole on every device (their other dims as the pool's)."""
     if split is None:
-        return kv[:, idx]
+        return pool[:, idx]
     mesh, spec, axes = split
 
-    def local(kv, idx):
-        ppr = kv.shape[1]
-        loc = idx - _first_page(mesh, axes, ppr)
-        mine = (loc >= 0) & (loc < ppr)
-        rows = jnp.where(mine[None, :, None, None], kv[:, jnp.clip(loc, 0, ppr - 1)], jnp.zeros((), kv.dtype))
-        return jax.lax.psum(rows, axes)  # each page held by one device: the others add zeros
+    def local(pool, idx):
+        n = pool.shape[1]
+        loc = idx - _first_row(mesh, axes, n)
+        mine = ((loc >= 0) & (loc < n)).reshape((1, -1) + (1,) * (pool.ndim - 2))
+        rows = jnp.where(mine, pool[:, jnp.clip(loc, 0, n - 1)], jnp.zeros((), pool.dtype))
+        return jax.lax.psum(rows, axes)  # each row held by one device: the others add zeros
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, P()), out_specs=P(), check_vma=False)(kv, idx)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, P()), out_specs=_rows_spec(spec),
+                         check_vma=False)(pool, idx)
 
 
-def _write_pages(kv, idx, rows, split=None, keep=None):
-    """``kv.at[:, idx].set(rows, mode="drop")`` (an index past the pool is dropped); ``keep``
-    ([n, page_size] bool, optional): positions not kept are written as zeros. The mask and the
-    cast to the pool's dtype happen where the rows are written, not on a copy of all of them."""
-    def put(kv, idx, rows, keep):
+def _write_rows(pool, idx, rows, split=None, keep=None):
+    """``pool.at[:, idx].set(rows, mode="drop")`` (an index past the pool is dropped); ``keep``
+    ([n, page_size] bool, pages only): positions not kept are written as zeros. The mask and
+    the cast to the pool's dtype happen where the rows are written, not on a copy of them."""
+    def put(pool, idx, rows, keep):
         if keep is not None:
             rows = jnp.where(keep[None, :, :, None], rows, jnp.zeros((), rows.dtype))
-        return kv.at[:, idx].set(rows.astype(kv.dtype), mode="drop")
+        return pool.at[:, idx].set(rows.astype(pool.dtype), mode="drop")
 
     if split is None:
-        return put(kv, idx, rows, keep)
+        return put(pool, idx, rows, keep)
     mesh, spec, axes = split
 
-    def local(kv, idx, rows, keep):
-        ppr = kv.shape[1]
-        loc = idx - _first_page(mesh, axes, ppr)
-        return put(kv, jnp.where((loc >= 0) & (loc < ppr), loc, ppr), rows, keep)
+    def local(pool, idx, rows, keep):
+        n = pool.shape[1]
+        loc = idx - _first_row(mesh, axes, n)
+        return put(pool, jnp.where((loc >= 0) & (loc < n), loc, n), rows, keep)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, P(), P(), P()), out_specs=spec,
-                         check_vma=False)(kv, idx, rows, keep)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, P(), _rows_spec(spec), P()), out_specs=spec,
+                         check_vma=False)(pool, idx, rows, keep)
 
 
-def _copy_pages(cache, src, dst, *, split=None):
+def _copy_pages(cache, src, dst, *, kv_split=None, st_split=None, cv_split=None):
     kv = cache.mla_kv
-    return dataclasses.replace(cache, mla_kv=_write_pages(kv, dst, _read_pages(kv, src, split), split))
+    return dataclasses.replace(cache, mla_kv=_write_rows(kv, dst, _read_rows(kv, src, kv_split), kv_split))
 
 
-def _copy_slots(cache, src, dst):
+def _copy_slots(cache, src, dst, *, kv_split=None, st_split=None, cv_split=None):
     st, cv = cache.kda_state, cache.kda_conv
-    return dataclasses.replace(cache, kda_state=st.at[:, dst].set(st[:, src]), kda_conv=cv.at[:, dst].set(cv[:, src]))
+    return dataclasses.replace(cache, kda_state=_write_rows(st, dst, _read_rows(st, src, st_split), st_split),
+                               kda_conv=_write_rows(cv, dst, _read_rows(cv, src, cv_split), cv_split))
 
 
-def _load_prefix(cache, idx, pos0, rows, tokens, slot, state, conv, *, conv_groups: int = 1, split=None):
+def _load_prefix(cache, idx, pos0, rows, tokens, slot, state, conv, *, conv_groups: int = 1, kv_split=None,
+                 st_split=None, cv_split=None):
     """Pages ``idx`` := gathered pages ``rows`` ``[nM, P', page_size, W]``, zero from position
     ``tokens`` on (``pos0``: each page's first position); slot ``slot`` := the state. An
     index past the pool's end is padding: its rows are dropped."""
     ps = rows.shape[2]
     keep = (pos0[:, None] + jnp.arange(ps)[None, :]) < tokens
-    return dataclasses.replace(cache, mla_kv=_write_pages(cache.mla_kv, idx, rows, split, keep),
-                               kda_state=cache.kda_state.at[:, slot].set(state),
-                               kda_conv=cache.kda_conv.at[:, slot].set(conv_rank_major(conv, conv_groups)))
+    at = jnp.reshape(slot, (1,))
+    return dataclasses.replace(
+        cache, mla_kv=_write_rows(cache.mla_kv, idx, rows, kv_split, keep),
+        kda_state=_write_rows(cache.kda_state, at, state[:, None], st_split),
+        kda_conv=_write_rows(cache.kda_conv, at, conv_rank_major(conv, conv_groups)[:, None], cv_split))
 
 
-def _read_prefix(cache, slot, idx, *, conv_groups: int = 1, split=None):
-    return (cache.kda_state[:, slot], conv_logical(cache.kda_conv[:, slot], conv_groups),
-            _read_pages(cache.mla_kv, idx, split))
+def _read_prefix(cache, slot, idx, *, conv_groups: int = 1, kv_split=None, st_split=None, cv_split=None):
+    at = jnp.reshape(slot, (1,))
+    return (_read_rows(cache.kda_state, at, st_split)[:, 0],
+            conv_logical(_read_rows(cache.kda_conv, at, cv_split)[:, 0], conv_groups),
+            _read_rows(cache.mla_kv, idx, kv_split))
 
 
 # name -> (body, returns the cache): the small device programs of prefix caching; ``load``
-# and ``read`` also take the pool's ``conv_groups``, and those and ``pages`` the MLA pool's
-# ``split`` (keywords, bound when jitted)
+# and ``read`` also take the pool's ``conv_groups``, all of them the pools' splits
+# (``splits_of``; keywords, bound when jitted)
 PROGRAMS = {"pages": (_copy_pages, True), "slots": (_copy_slots, True), "load": (_load_prefix, True),
              "read": (_read_prefix, False)}

@@ -39,7 +39,7 @@ from ....intmath import cdiv, next_pow2, pad_pow2
 from ....model.cache import allocate_cache, cache_bytes, conv_groups_of
 
 from ..programs import Programs, sparse_widths, width_for
-from .device_ops import PROGRAMS, page_split
+from .device_ops import PROGRAMS, splits_of
 from .host import HostCopy
 from .pages import PagePool
 from .planning import CapacityPlan
@@ -333,8 +333,7 @@ class CacheManager:
             body, writes = PROGRAMS[name]
             if name in ("read", "load"):  # the conv window leaves and comes back in q|k|v order
                 body = functools.partial(body, conv_groups=conv_groups_of(self.device_cache.kda_conv))
-            if name in ("read", "load", "pages"):  # pages read and written where they live
-                body = functools.partial(body, split=page_split(self.device_cache.mla_kv))
+            body = functools.partial(body, **splits_of(self.device_cache))  # rows read and written where they live
             kw = (dict(donate_argnums=0, out_shardings=jax.tree.map(lambda a: a.sharding, self.device_cache))
                   if writes else {})
             fn = self._copy_fns[name] = self.programs.jit(body, f"cache_{name}", **kw)
