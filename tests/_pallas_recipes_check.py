@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from _ragged_emulation import emulated_ragged_all_to_all  # beside this script
 from k3serve.checkpoints import load_pretrained
 from k3serve.checkpoints.synthetic import generate_checkpoint, k3_config
 from k3serve.model.cache import Cache, allocate_cache, make_batch
@@ -129,18 +130,7 @@ def ragged_gmm_error(recipe: str) -> float:
             out.append(jax.device_put(a, NamedSharding(mesh, PartitionSpec(*spec))))
         return tuple(out)
 
-    def emulated(operand, output, in_off, send, out_off, recv, *, axis_name):
-        me = jax.lax.axis_index(axis_name)
-        ops = jax.lax.all_gather(operand, axis_name)
-        lo = jax.lax.all_gather(in_off, axis_name)[:, me][:, None]
-        sz = jax.lax.all_gather(send, axis_name)[:, me]
-        dst = jax.lax.all_gather(out_off, axis_name)[:, me][:, None]
-        rows = jnp.arange(operand.shape[0])[None, :]
-        ok = (rows >= lo) & (rows < lo + sz[:, None])
-        tgt = jnp.where(ok, dst + rows - lo, output.shape[0]).reshape(-1)
-        return output.at[tgt].set(ops.reshape(-1, *operand.shape[1:]), mode="drop")
-
-    ep_mod._ragged_all_to_all = emulated
+    ep_mod._ragged_all_to_all = emulated_ragged_all_to_all
     try:
         f = jax.jit(lambda x, i, w, w1, w2, w3: ep_mod.expert_ffn_ep(
             x, i, w, w1, w2, w3, act, E, mesh=mesh, impl="ragged", layer=1, backend="pallas-interpret"))

@@ -20,6 +20,7 @@ SCRIPT = textwrap.dedent('''
     from jax.sharding import NamedSharding, PartitionSpec
     from k3serve.kernels.moe import expert_ffn
     from k3serve.kernels.mxfp4 import quantize_mxfp4_np
+    from _ragged_emulation import emulated_ragged_all_to_all  # the ragged path's offsets, checked on CPU
     from k3serve.sharding import ep as ep_mod
     from k3serve.sharding.ep import expert_ffn_ep
     from k3serve.sharding.mesh import build_mesh, param_spec
@@ -71,20 +72,6 @@ SCRIPT = textwrap.dedent('''
         return jax.jit(lambda x, i, w, w1, w2, w3: expert_ffn_ep(x, i, w, w1, w2, w3, act, E, jnp.float32,
                                                                   mesh=mesh, impl=impl))
 
-    # The ragged path's offset/size bookkeeping, checked with an EMULATED collective (all_gather
-    # + scatter with ragged_all_to_all's documented semantics): not the real op, which CPU lacks.
-    def emulated_ragged(operand, output, in_off, send, out_off, recv, *, axis_name):
-        me = jax.lax.axis_index(axis_name)
-        ops = jax.lax.all_gather(operand, axis_name)  # [ep, M, ...]
-        lo = jax.lax.all_gather(in_off, axis_name)[:, me][:, None]
-        sz = jax.lax.all_gather(send, axis_name)[:, me]
-        dst = jax.lax.all_gather(out_off, axis_name)[:, me][:, None]
-        rows = jnp.arange(operand.shape[0])[None, :]
-        ok = (rows >= lo) & (rows < lo + sz[:, None])
-        tgt = jnp.where(ok, dst + rows - lo, output.shape[0]).reshape(-1)
-        res = output.at[tgt].set(ops.reshape(-1, *operand.shape[1:]), mode="drop")
-        bad = jnp.any(recv != sz)  # recv_sizes must be what the sources send
-        return jnp.where(bad, jnp.full_like(res, -1), res)
     # 16 tokens (rows divide over the DP groups) for the split-input case
     cases16 = (np.concatenate([cases["n13"][0], rng.normal(size=(3, K)).astype(np.float32)]),
                np.concatenate([cases["n13"][1], cases["n13"][1][:3]]), np.concatenate([cases["n13"][2], cases["n13"][2][:3]]))
@@ -132,7 +119,7 @@ SCRIPT = textwrap.dedent('''
             for variant in ("padded", "ragged", "padded/two-collectives"):
                 impl = variant.split("/")[0]
                 if impl == "ragged":
-                    ep_mod._ragged_all_to_all = emulated_ragged
+                    ep_mod._ragged_all_to_all = emulated_ragged_all_to_all
                 if variant.endswith("two-collectives"):  # the gather over "tp", then the all-to-all over "ep"
                     ep_mod._GATHER_WHOLE_BYTES = 0
                 try:
@@ -157,7 +144,7 @@ SCRIPT = textwrap.dedent('''
             except Exception as e:  # XLA:CPU has no ragged-all-to-all
                 out["ragged_cpu"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
 
-            ep_mod._ragged_all_to_all = emulated_ragged
+            ep_mod._ragged_all_to_all = emulated_ragged_all_to_all
             try:
                 g = jitted(mesh, "ragged")
                 ys = [g(*c, pd["w1"], pd["w2"], pd["w3"]) for c in (cases["n13"], same_rank_case(El))]
@@ -180,6 +167,7 @@ def _run() -> dict:
     if not _result:
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), env.get("PYTHONPATH")]))
         r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env)
         assert r.returncode == 0, r.stderr[-3000:]
         _result.update(json.loads(r.stdout.strip().splitlines()[-1]))
