@@ -148,13 +148,10 @@ def _cut_programs(w: int, export, context):
     from .cache import deal
 
     state, _, rows = export
-    H, width = state.shape[1], rows.shape[1]
-    for count in (c for c in range(1, H + 1) if H % c == 0):
-        yield _attempt(f"deal[{w}]:heads[{count}]", lambda c=count: deal._heads.lower(state, _sds(()), c), context)[0]
-    pb = 1
-    while pb <= width:
-        yield _attempt(f"deal[{w}]:pages[{pb}]", lambda p=pb: deal._pages.lower(rows, _sds((p,))), context)[0]
-        pb *= 2
+    for kind, n in deal.cut_variants(state.shape[1], rows.shape[1]):
+        lower = (lambda n=n: deal._heads.lower(state, _sds(()), n)) if kind == "heads" else (
+            lambda n=n: deal._pages.lower(rows, _sds((n,))))
+        yield _attempt(f"deal[{w}]:{kind}[{n}]", lower, context)[0]
 
 
 def decode_bucket(engine) -> int:

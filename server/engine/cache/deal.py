@@ -125,13 +125,22 @@ def warm_cuts(exports) -> None:
     mesh axes, ``Recipe.validate``), a rows piece per power of two ``Pb <= P'`` (a DCP rank's
     pages, ``Destination.check``)."""
     for state, _, rows in exports:
-        H, width = state.shape[1], rows.shape[1]
-        for count in (c for c in range(1, H + 1) if H % c == 0):
-            _heads(state, jnp.int32(0), count)
-        pb = 1
-        while pb <= width:
-            _pages(rows, jnp.asarray(np.full(pb, width, np.int32)))
-            pb *= 2
+        for kind, n in cut_variants(state.shape[1], rows.shape[1]):
+            if kind == "heads":
+                _heads(state, jnp.int32(0), n)
+            else:
+                _pages(rows, jnp.asarray(np.full(n, rows.shape[1], np.int32)))
+
+
+def cut_variants(num_heads: int, width: int):
+    """``("heads", count)`` per head count dividing ``num_heads`` and ``("pages", Pb)`` per power
+    of two ``Pb <= width``: the cut programs an export of ``width`` pages may need."""
+    for count in (c for c in range(1, num_heads + 1) if num_heads % c == 0):
+        yield "heads", count
+    pb = 1
+    while pb <= width:
+        yield "pages", pb
+        pb *= 2
 
 
 def without_slot_axis(sharding, ndim: int):
