@@ -101,6 +101,9 @@ class _Step:
     def gather(self, v):
         return v if self.par is None else self.par.sp_gather(v)
 
+    def pin(self, v, rows=None):
+        return v if self.par is None else self.par.sp_pin(v, rows)
+
 
 def _kda_inputs(layer: AttnBlock, a_in) -> tuple:
     """What a KDA layer's core on the pools reads (``ops.kda_layer_on_pools``): the per-token
@@ -118,8 +121,9 @@ def _layer_in(layer: AttnBlock, st: dict, kda_rows, ctx: _Step, aux, kda_core: b
     snapshot state) or ``None``. In the scan every big buffer (the MLA pool, the KDA rows of
     all layers) stays outside the ``lax.switch`` that runs this: a switch's outputs are new
     buffers, so a pool passed through it would be copied once per layer."""
-    p = st["p"]
-    x = attn_res_bank(st["bank"], st["count"], p, layer.self_attention_res, ctx.eps) if ctx.attn_res else p
+    p = ctx.pin(st["p"])
+    x = attn_res_bank(ctx.pin(st["bank"], p), st["count"], p, layer.self_attention_res, ctx.eps) if ctx.attn_res else p
+    x = ctx.pin(x)
     a_in = ctx.gather(layer.input_layernorm(x).astype(ctx.dtype))
     if aux is not None:
         aux["attn_in"] = x
@@ -144,11 +148,11 @@ def _ffn(layer: FFNBlock, out, st: dict, ctx: _Step, aux, group=None):
     mix of the attention output ``out``, the norm, the MLP or MoE. ``group``: in the scan, the
     layer's row of the routed-expert stacks, which the sublayer holds whole. Returns the new
     ``p``."""
-    p, bank, count = st["p"] + out, st.get("bank"), st.get("count")
-    y = attn_res_bank(bank, count, p, layer.mlp_res, ctx.eps) if ctx.attn_res else p
+    p, bank, count = ctx.pin(st["p"] + out), st.get("bank"), st.get("count")
+    y = ctx.pin(attn_res_bank(ctx.pin(bank, p), count, p, layer.mlp_res, ctx.eps) if ctx.attn_res else p)
     f = ctx.scatter(layer.ffn(ctx.gather(layer.post_attention_layernorm(y).astype(ctx.dtype)), aux, ctx.par,
                               valid=ctx.fb.valid, group=group))
-    p = p + f
+    p = ctx.pin(p + f)
     if aux is not None:
         aux.update(attn_out=out, mlp_in=y, mlp_out=f, prefix_sum=p)
         if ctx.attn_res:

@@ -176,7 +176,8 @@ def run(args, log=print) -> dict:
         rep["per_device_bytes"]["plan"] = plan["per_device_bytes"]
         rep["plan_parts"] = {"weights": plan["weights_per_device"], "caches": plan["caches_per_device"],
                              "retiled": plan["retiled_per_device"]}
-        rep["decode"].update(plan_bytes=plan["decode_bytes"], plan_collectives=plan["decode_collectives"])
+        rep["decode"].update(plan_bytes=plan["decode_bytes"], plan_collectives=plan["decode_collectives"],
+                             plan_collective_parts=plan["decode_collective_parts"])
     except Exception as e:  # noqa: BLE001
         rep["decode"]["plan_error"] = f"{type(e).__name__}: {e}"
     ok = True

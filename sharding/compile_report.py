@@ -28,7 +28,8 @@ def plan_figures(cfg, recipe, *, dtype: str, max_num_seqs: int, max_model_len: i
     retiled = retiled_per_device(inv, recipe)
     return {"per_device_bytes": mem.weights_per_device + caches + retiled,
             "weights_per_device": mem.weights_per_device, "caches_per_device": caches, "retiled_per_device": retiled,
-            "decode_bytes": sum(step.hbm_bytes.values()), "decode_collectives": step.collectives}
+            "decode_bytes": sum(step.hbm_bytes.values()), "decode_collectives": step.collectives,
+            "decode_collective_parts": dict(step.collective_parts)}
 
 
 def _gib(x) -> str:
@@ -80,7 +81,8 @@ def format_report(rep: dict) -> str:
                    f"{'-' if acc is None else f'{acc / 1e9:.2f}'} GB accessed{ratio}, planner "
                    f"{'-' if plan is None else f'{plan / 1e9:.2f}'} GB; "
                    f"{'-' if d.get('flops') is None else format(d.get('flops') / 1e9, '.1f')} GFLOP; collectives "
-                   f"{d.get('collectives')} (planner {d.get('plan_collectives')})")
+                   f"{d.get('collectives')} (planner {d.get('plan_collectives')}"
+                   + "".join(f"; {k} {v}" for k, v in (d.get("plan_collective_parts") or {}).items()) + ")")
         for kind, f in (d.get("per_layer") or {}).items():
             out.append(f"    per {kind} layer (x{f['layers']}): {f['bytes_accessed'] / 1e9:.3f} GB, "
                        f"{f['flops'] / 1e9:.2f} GFLOP, {f['collectives']:.0f} collectives")

@@ -398,14 +398,27 @@ class StepParallel:
     def sp_scatter(self, x):
         """After an output projection: rows split over the SP ranks (a reduce-scatter)."""
         if not self._sp_on(x):
-            return x
+            return self.sp_pin(x)
         axes = (("dp",) if self.dp > 1 else ()) + self.sp_axes
         return jax.lax.with_sharding_constraint(
             x, NamedSharding(self.mesh, P(self._ax(axes), *([None] * (x.ndim - 1)))))
 
+    def sp_pin(self, x, rows=None):
+        """The residual stream (``x`` [T, ...], or the AttnRes bank [N, T, ...] with ``rows``
+        its [T, ...] partner) pinned whole -- rows split over DP only -- on a step SP leaves
+        off. Unpinned, the partitioner split the residual's rows over the model axes anyway and
+        gathered them back before each projection: two all-gathers a layer at decode sizes
+        (``k3serve compile --only '^decode'``, docs/compile.md)."""
+        T = (x if rows is None else rows).shape[0]
+        if self.recipe.attn_group == 1 or T % self.dp or self._sp_on(x if rows is None else rows):
+            return x
+        lead = () if rows is None else (None,)
+        return jax.lax.with_sharding_constraint(
+            x, NamedSharding(self.mesh, P(*lead, self.rows_axis, *([None] * (x.ndim - 1 - len(lead))))))
+
     def sp_gather(self, x):
         """Before the next projection: whole rows again (an all-gather)."""
         if not self._sp_on(x):
-            return x
+            return self.sp_pin(x)
         return jax.lax.with_sharding_constraint(
             x, NamedSharding(self.mesh, P(self.rows_axis, *([None] * (x.ndim - 1)))))

@@ -33,6 +33,7 @@ class Comparison:
     at_1: dict  # speculative -> best tok/s/user at concurrency 1
     at_72: dict  # speculative -> best output tok/s at concurrency 72
     tpu_inference_ceiling: float  # tok/s/user of the best seed recipe at tpu-inference's shape
+    waits_at_1: tuple = (0, 0.0, 0.0)  # the first recipe's speculative step at 1: (collectives, their latency, step) s
 
     def implied_input_per_output(self, speculative: bool = True) -> float:
         """The input:output ratio at which the seed's total at 72 is this roofline's output rate:
@@ -65,8 +66,10 @@ def compare_seed(cfg, inventory, device, *, context_len: int = AGENTX_CONTEXT, d
     ti = TPU_INFERENCE
     ceiling = max(step_cost(cfg, PRESETS[n], inventory, context_len=ti["context"], concurrency=ti["concurrency"],
                             device=device).tok_s_per_user for n in SEED_RECIPES)
+    c1 = step_cost(cfg, PRESETS[SEED_RECIPES[0]], inventory, context_len=context_len, concurrency=1, device=device,
+                   draft=draft)
     return Comparison(context=context_len, draft=draft, curves=curves, crossover=crossover, at_1=at_1,
-                      at_72=at_72, tpu_inference_ceiling=ceiling)
+                      at_72=at_72, tpu_inference_ceiling=ceiling, waits_at_1=(c1.collectives, c1.latency_s, c1.step_s))
 
 
 def comparison_json(cmp: Comparison, device) -> dict:
@@ -111,6 +114,12 @@ def print_comparison(cmp: Comparison, device) -> None:
     print(f"  seed, concurrency 1: {SEED_PER_USER_AT_1:g} tok/s/user; roofline {cmp.at_1[True]:,.0f} with "
           f"{d.name} (seed at {SEED_PER_USER_AT_1 / cmp.at_1[True]:.0%} of it), {cmp.at_1[False]:,.0f} without "
           f"(the seed is {SEED_PER_USER_AT_1 / cmp.at_1[False]:.2f}x above it, so it must speculate)")
+    if SEED_PER_USER_AT_1 > cmp.at_1[True]:
+        n, lat, step = cmp.waits_at_1
+        print(f"  the seed is above even the speculative roofline: {SEED_RECIPES[0]}'s step with {d.name} at "
+              f"concurrency 1 waits {lat * 1e3:.2f} of its {step * 1e3:.2f} ms on {n} collectives (an assumed "
+              f"{lat / n * 1e6:.0f} us each); the seed's step runs fewer or faster ones, or its drafter accepts "
+              f"more than {d.accepted:g} tokens a step")
     print(f"  seed, concurrency 72: {SEED_TOTAL_AT_72:,.0f} tok/s, input and output; roofline output "
           f"{cmp.at_72[True]:,.0f} tok/s with {d.name}: equal if the traces carry "
           f"{cmp.implied_input_per_output(True):.1f} input tokens per output token, more if the seed runs "

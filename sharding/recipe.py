@@ -13,7 +13,8 @@ k3serve targets; see the README's "Sharding recipes"):
   are dealt round-robin over ``dcp`` ranks (page k on rank k mod dcp); each rank attends over
   its local pages and the partial results are merged exactly (online softmax).
 * ``sp``: sequence parallelism for the token-wise ops between layers (AttnRes, norms) on
-  steps with at least ``sp_min_rows`` rows.
+  steps with at least ``sp_min_rows`` rows (default 1,024: prefill and long mixed steps, not
+  decode).
 
 ``Recipe.parse("ep=8,tp=4,dcp=32,sp=4")`` or a preset name; unspecified sizes are 1.
 ``Recipe.validate(cfg, num_devices)`` raises :class:`RecipeError` with a message that says
@@ -26,6 +27,7 @@ import dataclasses
 import re
 
 _AXES = ("ep", "tp", "dp", "dcp", "sp")
+SP_MIN_ROWS = 1024
 
 
 class RecipeError(ValueError):
@@ -39,7 +41,9 @@ class Recipe:
     dp: int = 1
     dcp: int = 1
     sp: int = 1
-    sp_min_rows: int = 8  # sequence parallelism only for steps with at least this many rows
+    # sequence parallelism only for steps with at least this many rows: below it the pair of
+    # collectives SP makes of each reduction costs latency and saves nothing (docs/sharding.md)
+    sp_min_rows: int = SP_MIN_ROWS
     name: str = ""
 
     def __post_init__(self):
@@ -72,7 +76,7 @@ class Recipe:
 
     def __str__(self) -> str:
         parts = [f"{a}={getattr(self, a)}" for a in _AXES if getattr(self, a) != 1 or a in ("ep", "tp")]
-        if self.sp > 1 and self.sp_min_rows != 8:
+        if self.sp > 1 and self.sp_min_rows != SP_MIN_ROWS:
             parts.append(f"sp_min_rows={self.sp_min_rows}")
         return ",".join(parts)
 

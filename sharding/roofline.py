@@ -28,7 +28,8 @@ The roofline is ``max(bytes / HBM bandwidth, ICI bytes / ICI bandwidth, FLOPs / 
 resource fully overlapped, perfect load balance. A decode step also waits on a chain of
 small collectives, layer after layer, whose cost is latency, not bandwidth; the step adds
 ``collectives × collective_latency_s`` (5 µs by default: an assumption, no published figure)
-to the roofline. No host or launch overhead is counted. With
+to the roofline, counting the collectives the step as built runs (:func:`step_collectives`;
+the compiled decode step has the same count). No host or launch overhead is counted. With
 speculative decoding (``tokens_per_step`` computed per request, ``accepted`` emitted on
 average) a request advances ``accepted`` tokens per step; a :class:`Draft` adds the drafter's
 weights, cache reads and collectives to the step. Assumptions are the point of a
@@ -107,6 +108,7 @@ class StepCost:
     bound: str  # "HBM", "ICI" or "FLOPs"
     tok_s_per_user: float
     tok_s_total: float
+    collective_parts: dict = dataclasses.field(default_factory=dict)  # step_collectives' parts
 
 
 def _is_routed(path: str) -> bool:
@@ -120,6 +122,55 @@ def _dense_params(path: str, shape: tuple) -> int:
     if path.endswith("_scale"):
         return 0
     return 2 * n if path.endswith("_packed") else n
+
+
+_GATHER_WHOLE_BYTES = 1 << 20  # sharding.ep's: a latent input this small is gathered in one collective
+
+
+def step_collectives(cfg, recipe: Recipe, *, tokens: int, act_itemsize: int = 2) -> dict:
+    """The collectives one step of ``tokens`` rows (whole mesh) runs, by part, as the step is
+    built (``model.k3``, ``sharding.parallel``, ``sharding.ep``) -- each one a wait on the
+    slowest device, layer after layer:
+
+    * ``TP reductions``: the attention output and the FFN output of every layer are summed over
+      the attention group (two a layer when it has more than one device);
+    * ``SP gathers``: with SP on for this step (``sp > 1``, at least ``sp_min_rows`` rows, a
+      multiple of ``sp * dp``) each reduction is a reduce-scatter and the next projection's
+      input an all-gather: two more a layer;
+    * ``EP exchange`` (``ep > 1``), per MoE layer: the latent input's gather (one when the DP
+      group's rows are at most 1 MiB, else one over ``"tp"`` and one over ``"ep"``), the sizes,
+      the dispatch, the gather of ``h`` over ``"tp"`` (when the expert intermediate dim is
+      split), the combine and the output gather;
+    * ``DCP (MLA)`` (``dcp > 1``), per MLA layer: the query's two parts gathered over the
+      group, the log-sum-exp max and the merged sum;
+    * ``LM head``: the vocab-parallel logits' gather.
+
+    ``k3serve compile --only '^decode'`` counts them in the compiled decode step and prints
+    both (docs/compile.md, "Collectives of a decode step"; ``tests/test_compile_cli.py``
+    checks them equal, layer kind by layer kind, on a small K3)."""
+    n, G, dp = recipe.devices, recipe.attn_group, recipe.dp
+    n_layers = cfg.num_hidden_layers
+    n_moe = sum(1 for i in range(n_layers) if cfg.is_moe_layer(i))
+    parts = {}
+    if G > 1:
+        parts["TP reductions"] = 2 * n_layers
+        if recipe.sp > 1 and tokens >= recipe.sp_min_rows and tokens % (recipe.sp * dp) == 0:
+            parts["SP gathers"] = 2 * n_layers
+    if recipe.ep > 1 and n_moe:
+        tp, ep = recipe.tp, recipe.ep
+        if cfg.latent_moe and cfg.expert_input_size % G == 0:  # the input arrives split by columns
+            rows = -(-tokens // dp)
+            whole = -(-rows // ep) * ep * cfg.expert_input_size * act_itemsize
+            x_in = 1 if tp > 1 and ep > 1 and whole <= _GATHER_WHOLE_BYTES else (tp > 1) + (ep > 1)
+        else:
+            x_in = 0  # whole rows in: each EP rank slices its own
+        h_gather = 1 if tp > 1 and cfg.moe_intermediate_size % tp == 0 else 0
+        parts["EP exchange"] = n_moe * (x_in + 3 + h_gather + 1)
+    if recipe.dcp > 1 and cfg.mla_layers:
+        parts["DCP (MLA)"] = 4 * len(cfg.mla_layers)
+    if n > 1:
+        parts["LM head"] = 1
+    return parts
 
 
 def step_cost(cfg, recipe: Recipe, inventory, *, context_len: int, concurrency: int, device: Device = TPU7X,
@@ -186,13 +237,10 @@ def step_cost(cfg, recipe: Recipe, inventory, *, context_len: int, concurrency: 
     hbm_s = sum(hbm.values()) / device.hbm_bytes_per_s
     ici_s = sum(ici.values()) / device.ici_bytes_per_s
     flops_s = sum(fl.values()) / device.flops_per_s
-    # collectives a step waits on, layer after layer: two TP reductions per layer (when the
-    # group has more than one rank), dispatch and combine per MoE layer (ep > 1), a DCP merge
-    # per MLA layer; plus the LM head's vocab-parallel gather
-    collectives = (2 * n_layers if G > 1 else 0) + (2 * n_moe if recipe.ep > 1 else 0) + \
-        (n_mla if recipe.dcp > 1 else 0) + (1 if n > 1 else 0)
+    parts = step_collectives(cfg, recipe, tokens=T, act_itemsize=act_itemsize)
     if draft is not None and n > 1:
-        collectives += 2 * draft.layers + 1  # the drafter's layers and its proposals' gather
+        parts["draft"] = 2 * draft.layers + 1  # the drafter's layers and its proposals' gather
+    collectives = sum(parts.values())
     latency = collectives * device.collective_latency_s
     roof = max(hbm_s, ici_s, flops_s)
     bound = {hbm_s: "HBM", ici_s: "ICI", flops_s: "FLOPs"}[roof]
@@ -203,7 +251,7 @@ def step_cost(cfg, recipe: Recipe, inventory, *, context_len: int, concurrency: 
     return StepCost(recipe=recipe.name or str(recipe), devices=n, concurrency=B, context_len=context_len,
                     hbm_bytes=hbm, ici_bytes=ici, flops=fl, hbm_s=hbm_s, ici_s=ici_s, flops_s=flops_s,
                     collectives=collectives, latency_s=latency, step_s=step,
-                    bound=bound, tok_s_per_user=per_user, tok_s_total=per_user * B)
+                    bound=bound, tok_s_per_user=per_user, tok_s_total=per_user * B, collective_parts=parts)
 
 
 def recommend(cfg, recipes, inventory, *, context_len: int, concurrency: int, device: Device = TPU7X,

@@ -78,10 +78,27 @@ def test_small_k3_compiles_every_serving_program_under_a_recipe(small_config, tm
     assert d["bucket"] == 4 and d["plan_bytes"] > 0 and d["bytes_accessed"] is None  # --no-decode-costs
 
 
-@pytest.mark.slow  # four more programs (~50 s on 2 cores)
-def test_decode_step_costs_are_summed_over_layers(small_config, tmp_path):
-    rc, rep = _compile(small_config, tmp_path, "--recipe", "ep=4,tp=2,dcp=8", "--max-num-seqs", "4",
-                       "--max-num-batched-tokens", "4", "--max-model-len", "128", "--only", "decode")
+def _k3_head_widths(directory):
+    """The 4-layer K3 of ``_write_config`` at the release's head widths (KDA 128, MLA latent 512
+    + rope 64, 128-wide experts), one head per rank on 8 devices."""
+    return _write_config(directory, hidden_size=256, kda_head_dim=128, q_lora_rank=128, kv_lora_rank=512,
+                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=128,
+                         routed_expert_hidden_size=256, intermediate_size=256)
+
+
+@pytest.mark.slow  # four programs (~60 s on 2 cores)
+def test_decode_step_costs_are_summed_over_layers_and_its_collectives_are_the_planners(tmp_path):
+    """The decode step's costs come from one program per layer kind (the anchor, then one more
+    layer of each kind), and the compiled step runs exactly the collectives the planner counts
+    (``roofline.step_collectives``): per layer 2 TP reductions, 6 for the EP exchange of a latent
+    MoE under EP x TP (input gather, sizes, dispatch, gather of h over tp, combine, output
+    gather), 4 more for an MLA layer under DCP; the partitioner adds none. (At the tiny widths
+    of ``small_config``, 8 heads of 16, the partitioner reshards the KDA path instead: 109
+    collectives against 31. K3's widths are what the planner is for.)"""
+    tpu_aot.require_libtpu()
+    rc, rep = _compile(_k3_head_widths(tmp_path), tmp_path, "--recipe", "ep=4,tp=2,dcp=8", "--max-num-seqs", "8",
+                       "--max-num-batched-tokens", "8", "--max-model-len", "128", "--prefix-host-gb", "0",
+                       "--only", "decode", kernels="pallas")
     assert rc == 0, [p["error"] for p in rep["programs"] if not p["ok"]]
     assert [p["name"] for p in rep["programs"]] == [  # the anchor (one layer per attention type), + each kind
         "decode_layers[kda+moe mla+moe]", "decode_layers[kda+moe mla+moe kda+mlp]",
@@ -92,7 +109,10 @@ def test_decode_step_costs_are_summed_over_layers(small_config, tmp_path):
     for f in d["per_layer"].values():
         assert f["bytes_accessed"] > 0 and f["flops"] > 0 and f["collectives"] > 0
     assert d["bytes_accessed"] > max(f["bytes_accessed"] for f in d["per_layer"].values())
-    assert d["plan_bytes"] > 0 and d["collectives"] > 0
+    assert d["plan_bytes"] > 0
+    assert {k: f["collectives"] for k, f in d["per_layer"].items()} == {"kda+mlp": 2, "kda+moe": 8, "mla+moe": 12}
+    assert d["plan_collective_parts"] == {"TP reductions": 8, "EP exchange": 18, "DCP (MLA)": 4, "LM head": 1}, d
+    assert d["collectives"] == d["plan_collectives"] == 31, d
 
 
 def test_a_recipe_the_topology_cannot_hold_fails_with_its_error(small_config, tmp_path):
@@ -124,9 +144,7 @@ def test_k3_head_widths_compile_all_four_kernels_under_a_recipe(tmp_path):
     Mosaic kernels; its page table (8 pages a row) is fetched into SMEM as one 128-column chunk
     (Mosaic's DMAs move multiples of 512 bytes)."""
     tpu_aot.require_libtpu()
-    path = _write_config(tmp_path, hidden_size=256, kda_head_dim=128, q_lora_rank=128, kv_lora_rank=512,
-                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=128,
-                         routed_expert_hidden_size=256, intermediate_size=256)
+    path = _k3_head_widths(tmp_path)
     rc, rep = _compile(path, tmp_path, "--recipe", "ep=4,tp=2,dcp=8", *_SMALL_ENGINE, "--only", r"^step\[T=4\]",
                        kernels="pallas")
     assert rc == 0, [p["error"] for p in rep["programs"] if not p["ok"]]
