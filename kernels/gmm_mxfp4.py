@@ -77,6 +77,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from . import cost_estimates
 from .mxfp4 import GROUP_SIZE, _f32_bits_from_codes
 
 
@@ -254,10 +255,10 @@ def _kernel(offsets, gids, tiles, num, layer_base, *refs, tm, tk, act):
 
 
 @functools.partial(jax.jit, static_argnames=("num_experts", "group_offset", "blocks", "interpret", "act",
-                                             "vmem_limit_bytes"))
+                                             "vmem_limit_bytes", "cost_rows"))
 def mxfp4_gmm(x, w_packed, w_scale, group_sizes, layer=0, *, num_experts: int, group_offset: int = 0,
               blocks: tuple[int, int, int] = (128, 512, 256), existing=None, interpret=None, up=None, act=None,
-              vmem_limit_bytes: int = VMEM_LIMIT):
+              vmem_limit_bytes: int = VMEM_LIMIT, cost_rows: int | None = None):
     """``[M, N]`` float32: rows of group ``g`` times expert ``layer·E + group_offset + g``.
 
     ``w_packed`` must be :func:`repack_halves`-ed with ``blocks[1]`` (``tk``); ``w_scale`` is
@@ -266,6 +267,8 @@ def mxfp4_gmm(x, w_packed, w_scale, group_sizes, layer=0, *, num_experts: int, g
     stack around the kernel). ``blocks = (tm, tk, tn)`` (:func:`choose_blocks`); M, N, K must
     be multiples of tm, tn, tk. ``vmem_limit_bytes``: the kernel's scoped VMEM limit.
     ``interpret``: a ``pltpu.InterpretParams`` (CPU tests) or None (compile for TPU).
+    ``cost_rows``: the rows a call is expected to carry, for XLA's cost model only (the EP
+    exchange's buffers hold its worst case, ``ep`` times the balanced load; None: M).
 
     Fused gate/up: with ``up = (packed, scale)`` (a second stack of the same shape, e.g. w3
     beside w1) and ``act`` (static, e.g. SiTU or ``silu(g) * u``, float32 in and out), the
@@ -310,4 +313,6 @@ def mxfp4_gmm(x, w_packed, w_scale, group_sizes, layer=0, *, num_experts: int, g
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=vmem_limit_bytes),
         input_output_aliases={6 + len(weights): 0},  # row tiles no group visits keep ``existing``
+        cost_estimate=cost_estimates.mxfp4_gmm(x, w_packed, w_scale, num_experts, N, fused=up is not None,
+                                               rows=cost_rows),
         interpret=interpret)(offsets, gids, tiles, num.reshape(1), base, x, *weights, existing)

@@ -109,6 +109,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from . import cost_estimates
 from .kda import kda_decode_step
 from .kda_ragged import ragged_causal_conv
 
@@ -457,6 +458,11 @@ def kda_decode(qkv_raw, f, beta, gate_out, state_pool, conv_pool, layer, tok, re
         input_output_aliases={n_pre: 1, n_pre + 1: 2},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                              vmem_limit_bytes=vmem_limit_bytes),
+        # per row: its state read and written, its conv window (3 x (W-1) taps) read and written,
+        # q, k, v, f, beta and the gate in (f32 after the gather), o out
+        cost_estimate=cost_estimates.kda_state_rows(
+            Rp, H, d, d, state_pool.dtype.itemsize, Rp, 6 * P * 4 + H * d * 4,
+            extra_bytes=2 * Rp * 3 * (W - 1) * P * conv_pool.dtype.itemsize),
         interpret=interpret,
     )(*scalars, cw, a, dtb, on, x, f[t], b, gate_out[t], state_pool, conv_pool)
     return o[:R], state_pool, conv_pool

@@ -120,6 +120,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from . import cost_estimates
 from .kda_ragged import kda_ragged, ragged_tiles
 
 F32 = jnp.float32
@@ -496,6 +497,12 @@ def kda_prefill(q, k, v, g, beta, state_pool, layer, tok_row, cu_q_lens, q_lens,
         input_output_aliases={n + 6: 0, n + 5: 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=vmem_limit_bytes),
+        # each prefill row's state read and written, each snapshot written; per token q, k, v,
+        # g, beta in and o out
+        cost_estimate=cost_estimates.kda_state_rows(
+            R, H, dk, dv, state_pool.dtype.itemsize, T,
+            H * ((2 * dk + dk) * q.dtype.itemsize + dv * v.dtype.itemsize + 4 + dv * 4),
+            extra_bytes=NS * H * dk * dv * state_pool.dtype.itemsize),
         interpret=interpret,
     )(*scalars, q, k, v, g, beta_b, state_pool, jnp.zeros((T, H, dv), F32))
     return o, state_pool

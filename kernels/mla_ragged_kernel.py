@@ -89,6 +89,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from . import cost_estimates
 from .mla_ragged import write_kv_rows
 
 DEFAULT_BLOCKS = None  # derived per shape by :func:`choose_blocks` from the VMEM budget
@@ -441,10 +442,10 @@ def _kernel(meta, kv_lens, cu, pos, dec_rows, dec_nblk, qb_row, qb_tok0, qb_len,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "latent_dim", "blocks", "vmem_limit_bytes", "table_chunk",
-                                             "interpret"))
+                                             "interpret", "cost_rows"))
 def mla_ragged_attention_kernel(q_lat, q_rope, new_rows, kv_pool, layer, page_table, tok_row, pos, kv_lens, cu_q_lens,
                                 q_lens, scale, latent_dim, *, page_ordinals=None, blocks=DEFAULT_BLOCKS,
-                                vmem_limit_bytes=VMEM_LIMIT, table_chunk=TABLE_CHUNK, interpret=None):
+                                vmem_limit_bytes=VMEM_LIMIT, table_chunk=TABLE_CHUNK, interpret=None, cost_rows=None):
     """``(out_lat [T, H, Lat] f32, lse [T, H] f32, kv_pool)``: ``new_rows [T, W]`` (or None)
     written into ``kv_pool [L, pages, page_size, W]`` at ``layer``, then ragged paged MLA
     attention of ``q_lat [T, H, Lat]`` / ``q_rope [T, H, Rr]`` over the written pool — the
@@ -459,7 +460,8 @@ def mla_ragged_attention_kernel(q_lat, q_rope, new_rows, kv_pool, layer, page_ta
     of 128 when the table has more columns, so each fetch starts on a lane tile). ``interpret``: a
     ``pltpu.InterpretParams`` (CPU tests) or None (compile for TPU). The rows are written by an
     XLA scatter into the pool, which the kernel then only reads: donate the pool (or carry it
-    through a scan) to update it in place."""
+    through a scan) to update it in place. ``cost_rows``: rows whose pages the call reads, for
+    XLA's cost model only (None: all R; 0: a write-only call)."""
     T, H, Lat = q_lat.shape
     Rr = q_rope.shape[-1]
     if Lat != latent_dim:
@@ -527,5 +529,8 @@ def mla_ragged_attention_kernel(q_lat, q_rope, new_rows, kv_pool, layer, page_ta
         out_shape=(jax.ShapeDtypeStruct((T, H, Lat), jnp.float32), jax.ShapeDtypeStruct((T, H), jnp.float32)),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit_bytes),
         input_output_aliases={n_pf + n_in - 2: 0, n_pf + n_in - 1: 1},
+        cost_estimate=cost_estimates.mla_ragged(q_lat, q_rope, kv_pool, page_table, T if cost_rows is None else
+                                                min(T, cost_rows), R if cost_rows is None else cost_rows, ps,
+                                                2 * T * H * (Lat + 1) * 4),
         interpret=interpret)(*prefetch, *inputs)
     return out, lse, kv_pool

@@ -32,7 +32,8 @@ def _interpret(backend: str):
 
 
 def mla_write_attend(q_lat, q_rope, rows, kv_pool, layer, page_table, tok_row, pos, kv_lens, cu_q_lens, q_lens,
-                     scale, latent_dim, *, backend: str = "reference", page_ordinals=None, return_lse: bool = False):
+                     scale, latent_dim, *, backend: str = "reference", page_ordinals=None, return_lse: bool = False,
+                     cost_rows: int | None = None):
     """One MLA layer on a flattened step: write the step's latent ``rows [T, W]`` into layer
     ``layer`` of the stacked pool, then ragged paged attention of ``q_lat``/``q_rope`` over it
     (arguments as :func:`kernels.mla_ragged.mla_ragged_attention`; ``tok_row`` outside ``[0,
@@ -43,7 +44,8 @@ def mla_write_attend(q_lat, q_rope, rows, kv_pool, layer, page_table, tok_row, p
     column is. ``backend`` "reference": :func:`write_kv_rows` then :func:`mla_ragged_attention`;
     "pallas" / "pallas-interpret": the rows by XLA's in-place scatter, then the kernel reads the
     pool (no whole-pool copy when the pool is donated and its layout row-major: see
-    ``kernels/mla_ragged_kernel.py``)."""
+    ``kernels/mla_ragged_kernel.py``). ``cost_rows``: the rows whose pages the kernel reads,
+    for XLA's cost model only (``kernels.cost_estimates``; None: every row, 0: a write-only call)."""
     if backend == "reference":
         if rows is not None:
             kv_pool = write_kv_rows(kv_pool, rows, page_table, tok_row, pos, layer=layer)
@@ -52,7 +54,8 @@ def mla_write_attend(q_lat, q_rope, rows, kv_pool, layer, page_table, tok_row, p
         return (*out, kv_pool) if return_lse else (out[0], kv_pool)
     out, lse, kv_pool = mla_ragged_attention_kernel(q_lat, q_rope, rows, kv_pool, layer, page_table, tok_row, pos,
                                                     kv_lens, cu_q_lens, q_lens, scale, latent_dim,
-                                                    page_ordinals=page_ordinals, interpret=_interpret(backend))
+                                                    page_ordinals=page_ordinals, interpret=_interpret(backend),
+                                                    cost_rows=cost_rows)
     return (out, lse, kv_pool) if return_lse else (out, kv_pool)
 
 

@@ -189,7 +189,8 @@ def expert_ffn_ep(x, topk_idx, topk_w, w1, w2, w3, act, num_experts: int, comput
         from ..kernels.moe_gmm import interpret_params
 
         interpret = interpret_params()
-    experts = functools.partial(_local_experts_gmm, interpret=interpret) if gmm else _local_experts
+    # cost_rows: the balanced load (n*k rows a rank receives on average; its buffer holds ep times that)
+    experts = functools.partial(_local_experts_gmm, interpret=interpret, cost_rows=n * k) if gmm else _local_experts
     post_fn, post_args = post if post is not None else (None, ())
     body = functools.partial(_ep_body, act=act, E=E, ep=ep, n=n, k=k, compute_dtype=compute_dtype,
                              impl=impl, h_split=h_split, y_split=y_split, experts=experts, tp_size=mshape["tp"],
@@ -341,7 +342,8 @@ def _row_tile(rows_per_group: int) -> int:
     return int(min(128, max(8, 1 << max(0, rows_per_group - 1).bit_length())))
 
 
-def _local_experts_gmm(xr, lr, w1, w2, w3, act, El, compute_dtype, h_split, layer, *, interpret=None):
+def _local_experts_gmm(xr, lr, w1, w2, w3, act, El, compute_dtype, h_split, layer, *, interpret=None,
+                       cost_rows=None):
     """:func:`_local_experts` with the MXFP4 grouped-matmul kernel (``kernels.gmm_mxfp4``):
     the received rows, grouped by local expert, times only the visited experts' packed tiles
     -- never a dequantized copy of all ``El`` local experts (at K3 size that copy is tens of
@@ -363,7 +365,7 @@ def _local_experts_gmm(xr, lr, w1, w2, w3, act, El, compute_dtype, h_split, laye
     def gmm(h, w, **fused):
         p, s = flat(w)
         return mxfp4_gmm(h, p, s, sizes, layer, num_experts=El, blocks=default_blocks(h.shape[1], p.shape[1], tm),
-                         interpret=interpret, **fused)
+                         interpret=interpret, cost_rows=cost_rows, **fused)
 
     h = gmm(xs, w1, up=flat(w3), act=act).astype(compute_dtype)  # [Mp, I_loc]
     if h_split:

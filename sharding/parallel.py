@@ -242,7 +242,7 @@ class StepParallel:
                 return call(q_lat, q_rope, rows, pool, layer, local_table, tok_row, pos, kv_lens, cu, q_lens)
             # the write alone (no query rows: nothing attends), one head's queries for the shapes
             _, pool = call(q_lat[:, :1], q_rope[:, :1], rows, pool, layer, local_table, tok_row, pos, kv_lens, cu,
-                           jnp.zeros_like(q_lens))
+                           jnp.zeros_like(q_lens), cost_rows=0)
             cols, ords = self._dcp_columns(table, local_table, ppr)
             out, lse, pool = call(q_lat, q_rope, None, pool, layer, cols, tok_row, pos, kv_lens, cu, q_lens,
                                   page_ordinals=ords, return_lse=True)

@@ -49,3 +49,16 @@ def test_gmm_compiles_for_tpu7x_within_its_vmem_and_copies_no_weights(E, N, K, M
     stacks = {f"u8[{','.join(map(str, a.shape))}]" for a in weights}
     copied = [line for line in tpu_aot.copies(compiled) if any(s in line for s in stacks)]
     assert not copied, copied  # a weight stack re-laid out around the kernel would be copied whole
+
+
+def test_the_compiled_kernel_reports_the_expert_tiles_it_reads():
+    """XLA cannot see into the kernel: the bytes and FLOPs of a program around it come from the
+    kernel's cost estimate (``kernels/cost_estimates.py``). Without it a grouped matmul over
+    112 experts counted as its small operands."""
+    E, N, K, M = 112, 3072 // 4, 3584, 256
+    compiled, _ = _compile(E, N, K, M, 8, True)
+    cost = tpu_aot.cost(compiled)
+    per_expert = N * K // 2 + N * scale_groups(K)  # packed nibbles + scales, one stack
+    visited = E * (1 - (1 - 1 / E) ** M)  # 256 rows over 112 experts: ~100 visited
+    assert cost["bytes_accessed"] >= 2 * visited * per_expert  # gate and up stacks
+    assert cost["flops"] >= 2 * M * K * N * 2
