@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters and acceptance (issue #34)."""
