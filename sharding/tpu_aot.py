@@ -120,10 +120,22 @@ def cost(compiled) -> dict:
 _OP = re.compile(r"=\s*(?:\([^=]*?\)|\S+)\s+([a-z][a-z0-9-]*)\(")
 
 
+_COND_BRANCH = re.compile(r'op_name="(.*)/cond/branch_(\d+)_fun/')
+
+
 def collectives(compiled) -> dict[str, int]:
-    """Collective ops in the partitioned HLO, by opcode (``-start`` / ``-done`` pairs count once)."""
+    """Collective ops a run of the partitioned HLO executes, by opcode (``-start`` / ``-done``
+    pairs count once; a loop body's once). The branches of a ``lax.cond`` (recognised by their
+    ops' ``.../cond/branch_N_fun/`` names) count as their largest branch, not their sum: one
+    branch runs (the EP exchange's capped and worst-case paths, ``sharding.ep``)."""
+    return collective_counts(compiled.as_text())
+
+
+def collective_counts(hlo_text: str) -> dict[str, int]:
+    """:func:`collectives` of HLO text."""
     n = collections.Counter()
-    for line in compiled.as_text().splitlines():
+    branches: dict = collections.defaultdict(collections.Counter)  # (cond, branch) -> ops
+    for line in hlo_text.splitlines():
         m = _OP.search(line)
         if not m:
             continue
@@ -131,8 +143,16 @@ def collectives(compiled) -> dict[str, int]:
         if op.endswith("-done"):
             continue
         op = op.removesuffix("-start")
-        if op in COLLECTIVES:
+        if op not in COLLECTIVES:
+            continue
+        b = _COND_BRANCH.search(line)
+        if b:
+            branches[b.group(1), int(b.group(2))][op] += 1
+        else:
             n[op] += 1
+    for cond in {c for c, _ in branches}:
+        arms = [ops for (c, _), ops in branches.items() if c == cond]
+        n.update(max(arms, key=lambda ops: (sum(ops.values()), sorted(ops.items()))))
     return dict(n)
 
 

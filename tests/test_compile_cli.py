@@ -170,3 +170,18 @@ def test_a_pd_role_compiles_its_handoff_programs(small_config, tmp_path, role):
         assert {"cache_load[8]", "cache_load[16]", "cache_load[32]"} <= set(names), names
         assert not any(n.startswith("deal") for n in names), names
     assert all(p["ok"] for p in rep["programs"])
+
+
+def test_a_conds_collectives_count_as_its_larger_branch():
+    """One branch of a ``lax.cond`` runs: its collectives count as the larger branch's (the EP
+    exchange's capped and worst-case paths), the rest as they are, a ``-done`` never."""
+    line = '  %{n} = f32[8] {op}(%p), metadata={{op_name="jit(f)/shard_map/{where}ragged_all_to_all"}}'
+    text = "\n".join([
+        line.format(n="a", op="all-gather", where=""),
+        line.format(n="b", op="ragged-all-to-all", where="cond/branch_0_fun/"),
+        line.format(n="c", op="ragged-all-to-all", where="cond/branch_1_fun/"),
+        line.format(n="d", op="all-gather-start", where="cond/branch_1_fun/"),
+        line.format(n="e", op="all-gather-done", where="cond/branch_1_fun/"),
+        line.format(n="f", op="ragged-all-to-all", where="cond/branch_0_fun/"),
+    ])
+    assert tpu_aot.collective_counts(text) == {"all-gather": 1, "ragged-all-to-all": 2}

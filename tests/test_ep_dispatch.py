@@ -150,6 +150,10 @@ SCRIPT = textwrap.dedent('''
                 ys = [g(*c, pd["w1"], pd["w2"], pd["w3"]) for c in (cases["n13"], same_rank_case(El))]
                 out["ragged_emulated_err"] = max(rel(ys[0], ref("dense", "n13", cases["n13"])),
                                                  rel(ys[1], ref("dense", f"same_rank/{El}", same_rank_case(El))))
+                # which buffers each case took: the capped ones (twice the balanced load) or the worst case
+                cap = ep_mod.receive_capacity(-(-13 // r.ep), k, r.ep)
+                out["ragged_fits_cap"] = [bool(np.bincount((c[1] // El).ravel(), minlength=r.ep).max() <= cap)
+                                          for c in (cases["n13"], same_rank_case(El))]
             finally:
                 ep_mod._ragged_all_to_all = jax.lax.ragged_all_to_all
     out["hlo_padded_has_a2a"] = "all_to_all" in out["hlo_padded"] or "all-to-all" in out["hlo_padded"]
@@ -197,9 +201,12 @@ def test_invalid_tokens_are_not_dispatched():
 
 
 def test_ragged_offsets_with_emulated_collective():
-    """The ragged path's sizes/offsets through an all_gather-based stand-in for the collective."""
+    """The ragged path's sizes/offsets through an all_gather-based stand-in for the collective,
+    on both of its branches: random routing fits the compact buffers of twice the balanced load,
+    every pair on one rank takes the worst-case buffers."""
     res = _run()
     assert res["hlo_ragged_has_ragged"], "impl='ragged' did not lower to ragged_all_to_all"
+    assert res["ragged_fits_cap"] == [True, False], res["ragged_fits_cap"]
     assert res["ragged_emulated_err"] <= 1e-5, res["ragged_emulated_err"]
 
 

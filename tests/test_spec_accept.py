@@ -16,7 +16,7 @@ from k3serve.server.engine.sampler import build_sampler_inputs, sample
 from k3serve.server.engine.sampling_params import SamplingParams
 from k3serve.server.spec.accept import accepted_lengths, emitted, position_steps
 
-V, SEEDS, L = 5, 2000, 6
+V, SEEDS, L = 5, 1000, 6
 TABLE = np.random.default_rng(0).standard_normal((L + 8, V, V)).astype(np.float32) * 1.5
 
 
@@ -50,10 +50,10 @@ def _speculative(first, draft_fn, d, temperature=1.0):
     out = [[] for _ in range(SEEDS)]
     prev = [first] * SEEDS
     while min(len(o) for o in out) < L:
-        rows = [r for r in range(SEEDS) if len(out[r]) < L]
+        rows = list(range(SEEDS))  # every row every step (one shape, one compile); done rows are ignored
         steps = np.array([len(out[r]) for r in rows])
         drafts = np.array([draft_fn(out[r], prev[r]) for r in rows]).reshape(len(rows), d)
-        num = np.minimum(d, L - 1 - steps)  # no drafts past the last token wanted
+        num = np.clip(L - 1 - steps, 0, d)  # no drafts past the last token wanted
         n = d + 1
         ctx = np.concatenate([np.array(prev)[rows][:, None], drafts], axis=1)  # input of each position
         pos = position_steps(steps, n)
@@ -65,8 +65,9 @@ def _speculative(first, draft_fn, d, temperature=1.0):
         y = np.asarray(_sample(jnp.asarray(logits), inp)).reshape(len(rows), n)
         acc = accepted_lengths(y, drafts, num)
         for r, toks in zip(rows, emitted(y, acc)):
-            out[r].extend(toks)
-            prev[r] = out[r][-1]
+            if len(out[r]) < L:
+                out[r].extend(toks)
+                prev[r] = out[r][-1]
     return np.array([o[:L] for o in out])
 
 
@@ -168,10 +169,10 @@ def _spec_penalized(first, draft_fn, d=3):
 
     outs, prev = [[] for _ in range(NP)], [first] * NP
     while min(len(o) for o in outs) < L:
-        rows = [r for r in range(NP) if len(outs[r]) < L]
+        rows = list(range(NP))  # every row every step (one shape, one compile); done rows are ignored
         steps = np.array([len(outs[r]) for r in rows])
         drafts = np.array([draft_fn(outs[r], prev[r]) for r in rows]).reshape(len(rows), d)
-        num = np.minimum(d, L - 1 - steps)
+        num = np.clip(L - 1 - steps, 0, d)
         n = d + 1
         params = [SamplingParams(seed=7000 + r, **PENAL) for r in rows]
         base = build_sampler_inputs(params, None, steps.tolist(), [[1, 3]] * len(rows), [outs[r] for r in rows],
@@ -183,8 +184,9 @@ def _spec_penalized(first, draft_fn, d=3):
         y = np.asarray(_sample(jnp.asarray(logits), inp)).reshape(len(rows), n)
         acc = accepted_lengths(y, drafts, num)
         for r, toks in zip(rows, emitted(y, acc)):
-            outs[r].extend(toks)
-            prev[r] = outs[r][-1]
+            if len(outs[r]) < L:
+                outs[r].extend(toks)
+                prev[r] = outs[r][-1]
     return np.array([o[:L] for o in outs])
 
 
