@@ -306,13 +306,15 @@ def _dispatch_combine(x, idx, wts, w1, w2, w3, layer, *, act, E, ep, n, k, compu
                                       rstart, count, axis_name=EXPERTS)
             return back[slot]
 
+        def worst():  # block j of C rows from rank j
+            return exchange(ep * C, jnp.full((ep,), me * C, i32), jnp.arange(ep, dtype=i32) * C)
+
         if cap < ep * C:
             offs = jnp.cumsum(counts, axis=0) - counts  # [source, dest]: source s's rows at dest d start here
             fits = jnp.max(jnp.sum(counts, axis=0)) <= cap  # the same on every rank
-            worst = lambda: exchange(ep * C, jnp.full((ep,), me * C, i32), jnp.arange(ep, dtype=i32) * C)  # noqa: E731
             y_pairs = jax.lax.cond(fits, lambda: exchange(cap, offs[me], offs[:, me]), worst)
         else:
-            y_pairs = exchange(ep * C, jnp.full((ep,), me * C, i32), jnp.arange(ep, dtype=i32) * C)
+            y_pairs = worst()
         K_loc = y_pairs.shape[1]
     else:
         raise ValueError(impl)

@@ -34,41 +34,50 @@ def _inputs(steps, temperature=1.0):
 _sample = jax.jit(lambda logits, inp: sample(logits, inp).tokens)
 
 
-def _plain(first, temperature=1.0):
-    """Each seed decodes L tokens one at a time after token ``first``."""
-    prev, out = np.full(SEEDS, first), []
+def _decode_plain(first, rows, inputs):
+    """Each of ``rows`` seeds decodes L tokens one at a time after token ``first``;
+    ``inputs(outs)`` gives the sampler's inputs for the outputs so far."""
+    outs, prev = [[] for _ in range(rows)], np.full(rows, first)
     for t in range(L):
-        y = np.asarray(_sample(jnp.asarray(_logits(prev, t)), _inputs([t] * SEEDS, temperature)))
-        out.append(y)
+        y = np.asarray(_sample(jnp.asarray(_logits(prev, t)), inputs(outs)))
+        for r in range(rows):
+            outs[r].append(int(y[r]))
         prev = y
-    return np.stack(out, 1)
+    return np.array(outs)
 
 
-def _speculative(first, draft_fn, d, temperature=1.0):
-    """Each seed decodes L tokens, verifying ``d`` drafts a step: every position sampled with
-    plain decoding's key for that token, drafts kept while they match."""
-    out = [[] for _ in range(SEEDS)]
-    prev = [first] * SEEDS
+def _decode_speculative(first, rows, draft_fn, inputs, d=3):
+    """Each of ``rows`` seeds decodes L tokens, verifying ``d`` drafts a step: every position
+    sampled with plain decoding's key for that token (``inputs(outs, steps, drafts, num)``:
+    the sampler's inputs of the ``rows * (d + 1)`` positions), drafts kept while they match.
+    Every row runs every step (one shape, one compile); a finished row's tokens are ignored."""
+    out, prev = [[] for _ in range(rows)], [first] * rows
     while min(len(o) for o in out) < L:
-        rows = list(range(SEEDS))  # every row every step (one shape, one compile); done rows are ignored
-        steps = np.array([len(out[r]) for r in rows])
-        drafts = np.array([draft_fn(out[r], prev[r]) for r in rows]).reshape(len(rows), d)
+        steps = np.array([len(o) for o in out])
+        drafts = np.array([draft_fn(out[r], prev[r]) for r in range(rows)]).reshape(rows, d)
         num = np.clip(L - 1 - steps, 0, d)  # no drafts past the last token wanted
-        n = d + 1
-        ctx = np.concatenate([np.array(prev)[rows][:, None], drafts], axis=1)  # input of each position
-        pos = position_steps(steps, n)
-        logits = _logits(ctx.reshape(-1), np.minimum(pos, L + 7).reshape(-1))
-        seeds_rows = np.repeat(np.array(rows), n)
-        params = [SamplingParams(temperature=temperature, seed=1000 + int(s)) for s in seeds_rows]
-        inp = build_sampler_inputs(params, None, pos.reshape(-1).tolist(), [[0]] * len(params),
-                                   [[]] * len(params), vocab_size=V)
-        y = np.asarray(_sample(jnp.asarray(logits), inp)).reshape(len(rows), n)
-        acc = accepted_lengths(y, drafts, num)
-        for r, toks in zip(rows, emitted(y, acc)):
+        ctx = np.concatenate([np.array(prev)[:, None], drafts], axis=1)  # input of each position
+        logits = _logits(ctx.reshape(-1), np.minimum(position_steps(steps, d + 1), L + 7).reshape(-1))
+        y = np.asarray(_sample(jnp.asarray(logits), inputs(out, steps, drafts, num))).reshape(rows, d + 1)
+        for r, toks in enumerate(emitted(y, accepted_lengths(y, drafts, num))):
             if len(out[r]) < L:
                 out[r].extend(toks)
                 prev[r] = out[r][-1]
     return np.array([o[:L] for o in out])
+
+
+def _plain(first, temperature=1.0):
+    return _decode_plain(first, SEEDS, lambda outs: _inputs([len(outs[0])] * SEEDS, temperature))
+
+
+def _speculative(first, draft_fn, d, temperature=1.0):
+    def inputs(out, steps, drafts, num):  # each position a row of its own, settings and seed repeated
+        seeds = np.repeat(np.arange(SEEDS), d + 1)
+        params = [SamplingParams(temperature=temperature, seed=1000 + int(s)) for s in seeds]
+        return build_sampler_inputs(params, None, position_steps(steps, d + 1).reshape(-1).tolist(),
+                                    [[0]] * len(params), [[]] * len(params), vocab_size=V)
+
+    return _decode_speculative(first, SEEDS, draft_fn, inputs, d)
 
 
 def _constant(tok):
@@ -155,39 +164,19 @@ def _penal_inputs(outputs):
 
 
 def _plain_penalized(first):
-    outs, prev = [[] for _ in range(NP)], np.full(NP, first)
-    for t in range(L):
-        y = np.asarray(_sample(jnp.asarray(_logits(prev, t)), _penal_inputs(outs)))
-        for r in range(NP):
-            outs[r].append(int(y[r]))
-        prev = y
-    return np.array(outs)
+    return _decode_plain(first, NP, _penal_inputs)
 
 
 def _spec_penalized(first, draft_fn, d=3):
     from k3serve.server.engine.spec_positions import suppress_positions, verify_sampler_inputs
 
-    outs, prev = [[] for _ in range(NP)], [first] * NP
-    while min(len(o) for o in outs) < L:
-        rows = list(range(NP))  # every row every step (one shape, one compile); done rows are ignored
-        steps = np.array([len(outs[r]) for r in rows])
-        drafts = np.array([draft_fn(outs[r], prev[r]) for r in rows]).reshape(len(rows), d)
-        num = np.clip(L - 1 - steps, 0, d)
-        n = d + 1
-        params = [SamplingParams(seed=7000 + r, **PENAL) for r in rows]
-        base = build_sampler_inputs(params, None, steps.tolist(), [[1, 3]] * len(rows), [outs[r] for r in rows],
-                                    [[EOS]] * len(rows), vocab_size=V)
-        sup = suppress_positions(steps, [MIN_NEW] * len(rows), [True] * len(rows), n)
-        inp = verify_sampler_inputs(base, jnp.asarray(drafts), jnp.asarray(num), jnp.asarray(sup), use_table=True)
-        ctx = np.concatenate([np.array(prev)[rows][:, None], drafts], axis=1)
-        logits = _logits(ctx.reshape(-1), np.minimum(position_steps(steps, n), L + 7).reshape(-1))
-        y = np.asarray(_sample(jnp.asarray(logits), inp)).reshape(len(rows), n)
-        acc = accepted_lengths(y, drafts, num)
-        for r, toks in zip(rows, emitted(y, acc)):
-            if len(outs[r]) < L:
-                outs[r].extend(toks)
-                prev[r] = outs[r][-1]
-    return np.array([o[:L] for o in outs])
+    def inputs(outs, steps, drafts, num):
+        params = [SamplingParams(seed=7000 + r, **PENAL) for r in range(NP)]
+        base = build_sampler_inputs(params, None, steps.tolist(), [[1, 3]] * NP, outs, [[EOS]] * NP, vocab_size=V)
+        sup = suppress_positions(steps, [MIN_NEW] * NP, [True] * NP, d + 1)
+        return verify_sampler_inputs(base, jnp.asarray(drafts), jnp.asarray(num), jnp.asarray(sup), use_table=True)
+
+    return _decode_speculative(first, NP, draft_fn, inputs, d)
 
 
 def test_penalties_and_min_new_tokens_count_the_drafts_before_each_position():
