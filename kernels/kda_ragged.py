@@ -65,16 +65,21 @@ def _conv_windows(raw, conv_rows, cu_q_lens, rows, n):
     return jnp.where((j >= 0)[..., None], from_step, from_old)
 
 
-def ragged_causal_conv(raw, conv_rows, weight, tok_row, cu_q_lens, q_lens, snap_row, snap_len):
+def ragged_causal_conv(raw, conv_rows, weight, tok_row, cu_q_lens, q_lens, snap_row, snap_len, commit_lens=None):
     """Depthwise causal conv over the flattened step, each row continuing its own window.
 
     raw [T, C] (pre-conv projections, any float dtype); conv_rows [R, W-1, C] the rows' windows
     before the step (last W-1 raw inputs, oldest first; zero for fresh rows); weight [C, W]
-    (column W-1 multiplies the newest input). Returns, in float32:
+    (column W-1 multiplies the newest input); ``commit_lens`` [R] (default ``q_lens``): the
+    tokens of each row the new window and snapshots may include (a speculative decode row
+    commits its first token only; its drafts are journaled, ``kernels/kda_spec.py``).
+    Returns, in float32:
       y [T, C]           conv output before the activation (zeros at padding tokens)
-      new_conv [R, W-1, C]   window after each row's last token (q_len 0: unchanged)
+      new_conv [R, W-1, C]   window after each row's committed tokens (q_len 0: unchanged)
       snap_conv [NS, W-1, C] window after snap_len[s] tokens of row snap_row[s] (unused: 0)
     """
+    if commit_lens is None:
+        commit_lens = q_lens
     T, C = raw.shape
     R, Wm1, _ = conv_rows.shape
     raw = raw.astype(F32)
@@ -92,10 +97,11 @@ def ragged_causal_conv(raw, conv_rows, weight, tok_row, cu_q_lens, q_lens, snap_
         y = y + jnp.where((i >= s)[:, None], shifted, old) * w[:, Wm1 - s]
     y = jnp.where(valid[:, None], y, 0.0)
 
-    new_conv = _conv_windows(raw, conv, cu, jnp.arange(R, dtype=I32), q_lens.astype(I32))
+    commit = commit_lens.astype(I32)
+    new_conv = _conv_windows(raw, conv, cu, jnp.arange(R, dtype=I32), commit)
     srow = jnp.minimum(snap_row, R - 1).astype(I32)
     slen = snap_len.astype(I32)
-    s_ok = (snap_row < R) & (slen >= 1) & (slen <= q_lens[srow])
+    s_ok = (snap_row < R) & (slen >= 1) & (slen <= commit[srow])
     snap_conv = _conv_windows(raw, conv, cu, srow, jnp.where(s_ok, slen, 0))
     snap_conv = jnp.where(s_ok[:, None, None], snap_conv, 0.0)
     return y, new_conv, snap_conv
@@ -134,14 +140,30 @@ def ragged_tiles(cu_q_lens, q_lens, start_pos, T: int, chunk_size: int = 64):
                 tile_len=tile_len, tile_first=m == 0, tile_last=m == n_tiles[tile_row] - 1)
 
 
+def draft_tokens(x, cu_q_lens, drafts: int):
+    """Each row's tokens ``1 .. drafts`` of ``x`` [T, ...] (a speculative decode row's drafts),
+    ``[R, drafts, ...]``; entries past a row's tokens are junk (nothing reads them)."""
+    T, R = x.shape[0], cu_q_lens.shape[0] - 1
+    t = jnp.minimum(cu_q_lens[:R, None].astype(I32) + 1 + jnp.arange(drafts, dtype=I32)[None, :], T - 1)
+    return x[t]
+
+
 def kda_ragged(q, k, v, g, beta, state_rows, tok_row, cu_q_lens, q_lens, start_pos, snap_row, snap_len,
-               chunk_size: int = 64):
+               chunk_size: int = 64, decode=None, drafts: int = 0):
     """KDA core over the flattened step (layout and snapshot rules in the module docstring).
 
     q, k [T, H, dk] (L2-normalised, q scaled); v [T, H, dv]; g [T, H, dk] log-decay <= 0;
     beta [T, H]; state_rows [R, H, dk, dv] each row's state before the step (zero for fresh
     rows). Returns float32 (o [T, H, dv] (zeros at padding tokens), new_state [R, H, dk, dv]
     (q_len-0 rows unchanged), snap_state [NS, H, dk, dv] (unused entries zeros)).
+
+    ``decode`` (bool [R], the step's explicit row kinds; default: the rows of one token) and
+    ``drafts`` (static, speculative decoding): a decode row is its last token plus up to
+    ``drafts`` drafts, ``q_len`` 1 .. 1 + drafts. It never takes the tile path whatever its
+    length: its first token is decoded and committed as plain decoding does, its drafts are
+    verified from there without writing the state (``kernels/kda_spec.py``), and a fourth
+    output, the journal ``(k, e^g, delta)`` ``[R, drafts, H, d]`` fp32, holds what the fold
+    needs to commit the accepted ones. Snapshots of a decode row may cover its first token only.
     """
     T, H, dk = q.shape
     dv = v.shape[-1]
@@ -159,20 +181,42 @@ def kda_ragged(q, k, v, g, beta, state_rows, tok_row, cu_q_lens, q_lens, start_p
     sp = start_pos.astype(I32)
 
     # ---- decode rows: one recurrent step for all R rows, one gathered token per row
-    is_dec = ql == 1
+    if decode is None:
+        if drafts:
+            raise ValueError("speculative rows need the step's explicit row kinds (decode)")
+        is_dec = ql == 1
+    else:
+        is_dec = (jnp.asarray(decode, bool) & (ql >= 1)) | (ql == 1)
     t_dec = jnp.minimum(cu[:R], T - 1)
     o1, S1 = kda_decode_step(q[t_dec], k[t_dec], v[t_dec], g[t_dec], beta[t_dec], S0)
     o_buf = jnp.zeros((T + C, H, dv), F32)  # C extra rows: a tile's slice never clamps
     o_buf = o_buf.at[jnp.where(is_dec, t_dec, T + C)].set(o1, mode="drop")
     new_state = jnp.where(is_dec[:, None, None, None], S1, S0)
+    journal = None
+    if drafts:  # verify the drafts from the committed state, in registers; journal each position
+        from .kda_spec import _position, advance
+
+        S, entries = S1, []
+        for j in range(1, drafts + 1):
+            live = is_dec & (j < ql)
+            tj = jnp.minimum(cu[:R] + j, T - 1)
+            kj = k[tj]
+            oj, eg, delta = _position(q[tj], kj, v[tj], g[tj], beta[tj], S)
+            o_buf = o_buf.at[jnp.where(live, tj, T + C)].set(oj, mode="drop")
+            if j < drafts:
+                S = jnp.where(live[:, None, None, None], advance(S, kj, eg, delta), S)
+            entries.append((kj, eg, delta))
+        journal = tuple(jnp.stack(e, axis=1) for e in zip(*entries))
+    ql_tiles = ql if decode is None else jnp.where(is_dec, 0, ql)  # rows the tile path runs
+    commit = jnp.where(is_dec, jnp.minimum(ql, 1), ql)  # tokens whose state a row commits
 
     srow = jnp.minimum(snap_row, R - 1).astype(I32)
     slen = snap_len.astype(I32)
-    s_used = (snap_row < R) & (slen >= 1) & (slen <= ql[srow])
+    s_used = (snap_row < R) & (slen >= 1) & (slen <= commit[srow])
 
     def prefill(o_buf, new_state, snap_state):
         # ---- tiles of the q_len >= 2 rows, in token order
-        tl = ragged_tiles(cu, ql, sp, T, chunk_size)
+        tl = ragged_tiles(cu, ql_tiles, sp, T, chunk_size)
         NT_max = tl["tile_row"].shape[0]
         first_len, cu_tiles, num_tiles = tl["first_len"], tl["cu_tiles"], tl["num_tiles"]
         tile_row, tile_tok0, tile_loc0, tile_len = tl["tile_row"], tl["tile_tok0"], tl["tile_loc0"], tl["tile_len"]
@@ -180,7 +224,7 @@ def kda_ragged(q, k, v, g, beta, state_rows, tok_row, cu_q_lens, q_lens, start_p
         tiles = jnp.arange(NT_max, dtype=I32)
 
         # ---- snapshots strictly inside a row's step (snap_len == q_len is read off new_state)
-        s_inner = s_used & (slen < ql[srow])
+        s_inner = s_used & (slen < commit[srow])
         s_m = jnp.where(slen - 1 < first_len[srow], 0, 1 + (slen - 1 - first_len[srow]) // C)
         s_tile = jnp.where(s_inner, cu_tiles[srow] + s_m, NT_max)  # NT_max: never visited
         s_order = jnp.argsort(s_tile).astype(I32)
@@ -228,11 +272,13 @@ def kda_ragged(q, k, v, g, beta, state_rows, tok_row, cu_q_lens, q_lens, start_p
     # a one-token step cannot have one, so its program leaves the path out
     snap_state = jnp.zeros((NS, H, dk, dv), F32)
     if T > 1:
-        o_buf, new_state, snap_state = jax.lax.cond(jnp.any(ql >= 2), prefill, lambda *c: c, o_buf, new_state,
-                                                    snap_state)
+        o_buf, new_state, snap_state = jax.lax.cond(jnp.any(ql_tiles >= 2), prefill, lambda *c: c, o_buf,
+                                                    new_state, snap_state)
 
-    s_end = s_used & (slen == ql[srow])
+    s_end = s_used & (slen == commit[srow])
     snap_state = jnp.where(s_end[:, None, None, None], new_state[srow], snap_state)
+    if drafts:
+        return o_buf[:T], new_state, snap_state, journal
     return o_buf[:T], new_state, snap_state
 
 

@@ -94,6 +94,7 @@ class _Step:
     eps: float
     attn_res: bool
     dtype: object
+    drafts: int = 0  # speculative decode rows carry up to this many drafts (0: none)
 
     def scatter(self, v):
         return v if self.par is None else self.par.sp_scatter(v)
@@ -103,6 +104,33 @@ class _Step:
 
     def pin(self, v, rows=None):
         return v if self.par is None else self.par.sp_pin(v, rows)
+
+
+JOURNAL_KEYS = ("jk", "jeg", "jdelta", "jraw")  # the KDA journal's parts (``kernels/kda_spec.py``)
+
+
+def journal_shapes(cfg, entries: int, drafts: int, dtype) -> tuple:
+    """The speculative KDA journal of ``entries`` running requests with up to ``drafts`` drafts,
+    ``((shape, dtype), ...)`` in :data:`JOURNAL_KEYS` order: per KDA layer, entry and draft the key,
+    the decay ``e^g`` and the delta (``[H, d]`` fp32 each) and the pre-conv q|k|v row (``[3P]``,
+    the model dtype: the conv window holds these values exactly)."""
+    nK, H, d = len(cfg.kda_layers), cfg.kda_num_heads, cfg.kda_head_dim
+    f = ((nK, entries, drafts, H, d), jnp.float32)
+    return f, f, f, ((nK, entries, drafts, 3 * H * d), jnp.dtype(dtype))
+
+
+def fold_journal(state_rows, conv_rows, journal, jrow, fold_len):
+    """Commit each row's ``fold_len`` accepted drafts from its journal entry ``jrow`` into its
+    state rows ``[nK, R, H, dk, dv]`` and conv rows ``[nK, R, W-1, 3P]`` (``kernels/kda_spec.py``:
+    the same update as plain decoding, so the result equals it bit for bit)."""
+    from ..kernels.kda_spec import conv_window_commit, kda_fold
+
+    at = jnp.clip(jrow, 0, journal[0].shape[1] - 1)
+    jk, jeg, jdelta, jraw = (pool[:, at] for pool in journal)  # [nK, R, d, ...]
+    a = jnp.broadcast_to(jnp.where(jrow >= 0, fold_len, 0), state_rows.shape[:2])
+    state = kda_fold(state_rows, (jk, jeg, jdelta), a)
+    conv = conv_window_commit(conv_rows, jraw, a)
+    return state, conv
 
 
 def _kda_inputs(layer: AttnBlock, a_in) -> tuple:
@@ -130,7 +158,7 @@ def _layer_in(layer: AttnBlock, st: dict, kda_rows, ctx: _Step, aux, kda_core: b
     if layer.kind == "kda" and not kda_core:  # the core runs on the pools, outside the switch
         return a_in, None, None
     if layer.kind == "kda":
-        out, new = layer.self_attn.flat(a_in, kda_rows[0], kda_rows[1], ctx.fb, aux, par=ctx.par)
+        out, new = layer.self_attn.flat(a_in, kda_rows[0], kda_rows[1], ctx.fb, aux, par=ctx.par, drafts=ctx.drafts)
         return ctx.scatter(out).astype(ctx.dtype), None, new
     return a_in, layer.self_attn.latent_rows(a_in), None
 
@@ -232,16 +260,23 @@ class KimiLM(nnx.Module):
         return logits, out[1], rec
 
     def step(self, fb: FlatBatch, cache: Cache, capture: bool = False, par=None, all_logits: bool = False,
-             unroll: bool = False):
+             unroll: bool = False, journal=None):
         """One flattened step (:mod:`model.step`): ``(logits [R, vocab], new_cache)`` at each
         row's ``logits_idx`` (``[T, vocab]`` for every token with ``all_logits``), plus a
         per-token record with ``capture``. The layers run as one scan (``model.layer_plan``);
         ``unroll`` (implied by ``capture``, whose per-layer records differ by kind) runs the same
-        layer code unrolled, one traced body per layer."""
+        layer code unrolled, one traced body per layer.
+
+        ``journal`` (speculative decoding, :func:`journal_shapes`): the KDA journal of every
+        running request. The step first folds each row's ``fb.fold_len`` accepted drafts into
+        its state and conv window, then journals its decode rows' drafts in entry ``fb.jrow``;
+        it returns ``(logits [R * n, vocab], new_cache, new_journal)``, logits at every entry of
+        ``fb.logits_idx`` ``[R, n]``."""
         cfg, plan = self.cfg, self.plan
         kda_idx = {l: j for j, l in enumerate(cfg.kda_layers)}
         mla_idx = {l: j for j, l in enumerate(cfg.mla_layers)}
-        ctx = _Step(fb, par, capture, cfg.rms_norm_eps, cfg.uses_attn_res, self.dtype)
+        drafts = 0 if journal is None else journal[0].shape[2]
+        ctx = _Step(fb, par, capture, cfg.rms_norm_eps, cfg.uses_attn_res, self.dtype, drafts)
         bsz = cfg.attn_res_block_size
 
         def boundary(l):
@@ -257,6 +292,8 @@ class KimiLM(nnx.Module):
         # scattered after it. Under a recipe it runs per rank on the rank's slots and heads
         # (``StepParallel.kda_layer_on_pools``).
         fused_kda = bool(kda_idx) and cfg.kernels != "reference" and ops.kda_kernels_fit(cfg.kda_head_dim, cfg.kernels)
+        if journal is not None and (fused_kda or par is not None):
+            raise NotImplementedError("speculative decoding runs on the reference KDA path without a recipe for now")
         if kda_idx and not fused_kda:
             # the conv pool's channels are stored rank-major when the heads are split over
             # ranks (``StepParallel.conv_groups``); the reference core reads q | k | v
@@ -264,6 +301,8 @@ class KimiLM(nnx.Module):
             conv_rows = jnp.where(fb.fresh[None, :, None, None], 0.0,
                                   conv_logical(take(cache.kda_conv, fb.read_slot), conv_groups))
             state_rows = jnp.where(fb.fresh[None, :, None, None, None], 0.0, take(cache.kda_state, fb.read_slot))
+            if journal is not None:  # last step's accepted drafts, committed as plain decoding would
+                state_rows, conv_rows = fold_journal(state_rows, conv_rows, journal, fb.jrow, fb.fold_len)
 
         # The residual stream (prefix sums, AttnRes bank) is kept in fp32 whatever the
         # weight dtype; sublayers read it normalised and cast to the compute dtype.
@@ -282,6 +321,11 @@ class KimiLM(nnx.Module):
             carry.update(conv=conv_rows, state=state_rows,
                          snap_conv=jnp.zeros((len(kda_idx), NS) + conv_rows.shape[2:], F32),
                          snap_state=jnp.zeros((len(kda_idx), NS) + state_rows.shape[2:], F32))
+            if drafts:
+                R, H, dk = fb.num_rows, cfg.kda_num_heads, cfg.kda_head_dim
+                for n, width in zip(JOURNAL_KEYS, (H * dk, H * dk, H * dk, 3 * H * dk)):
+                    shape = (len(kda_idx), R, drafts) + ((H, dk) if n != "jraw" else (width,))
+                    carry[n] = jnp.zeros(shape, F32)
         # routed experts stay whole stacks indexed by row inside the expert op: a slice of
         # them is a copy of the layer's experts per layer (50 MB on the 105M checkpoint);
         # the other parameters are sliced per layer
@@ -301,7 +345,7 @@ class KimiLM(nnx.Module):
         kv_width, kv_dtype = cache.mla_kv.shape[-1], cache.mla_kv.dtype
         T = fb.ids.shape[0]
 
-        kda_keys = ("conv", "state", "snap_conv", "snap_state")
+        kda_keys = ("conv", "state", "snap_conv", "snap_state") + (JOURNAL_KEYS if drafts else ())
         kda_shapes = [carry[n].shape[1:] for n in kda_keys] if n_kda and not fused_kda else []
         if fused_kda:  # what a KDA layer's first half hands the core: shapes for the other branches
             kda_a = plan.attn_types.index("kda")
@@ -427,15 +471,19 @@ class KimiLM(nnx.Module):
         if fused_kda:
             kda_state, kda_conv = carry["state_pool"], carry["conv_pool"]
         elif kda_idx:
-            conv_out, state_out, snap_conv, snap_state = (carry[n] for n in kda_keys)
+            conv_out, state_out, snap_conv, snap_state = (carry[n] for n in kda_keys[:4])
             conv_out, snap_conv = (conv_rank_major(v, conv_groups) for v in (conv_out, snap_conv))
             put = ((lambda pool, s, v: pool.at[:, s].set(v, mode="drop")) if par is None else
                    functools.partial(par.put_slots, kda_heads=H_kda))
             kda_conv = put(put(kda_conv, fb.write_slot, conv_out), fb.snap_slot, snap_conv)
             kda_state = put(put(kda_state, fb.write_slot, state_out), fb.snap_slot, snap_state)
+            if drafts:  # entry J: rows without one (the scatter drops it)
+                at = jnp.where(fb.jrow >= 0, fb.jrow, journal[0].shape[1])
+                journal = tuple(pool.at[:, at].set(carry[n].astype(pool.dtype), mode="drop")
+                                for pool, n in zip(journal, JOURNAL_KEYS))
         p, bank = carry["p"], carry.get("bank")
         if not all_logits and not capture:  # only the tokens that are sampled
-            at = jnp.maximum(fb.logits_idx, 0)
+            at = jnp.maximum(fb.logits_idx.reshape(-1), 0)
             p = p[at]
             # block by block: XLA:TPU fused the one [blocks, T, D] gather with a relayout that ran
             # out of scoped VMEM at 2 blocks (a 13-layer K3 at 64 rows; docs/compile.md)
@@ -445,6 +493,8 @@ class KimiLM(nnx.Module):
         logits = jnp.einsum("td,vd->tv", normed, self.lm_head.weight[...].astype(normed.dtype),
                             preferred_element_type=jnp.float32)
         new_cache = Cache(kda_state=kda_state, kda_conv=kda_conv, mla_kv=carry["kv"])
+        if journal is not None and not capture:
+            return logits, new_cache, journal
         if not capture:
             return logits, new_cache
         rec = {"embed": h, "layers": records, "attnres_out": out, "final_norm_out": normed,

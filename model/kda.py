@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..kernels import ops
+from ..kernels.kda_ragged import draft_tokens
 from .layers import F32, Linear, matmul, param, rms_normalize
 from .step import local_rows
 
@@ -117,11 +118,13 @@ class KDA(nnx.Module):
         conv_w = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=0)
         return conv_w, self.A_log[...], self.dt_bias[...], self.o_norm[...]
 
-    def flat(self, x, conv_rows, state_rows, fb, aux=None, par=None):
+    def flat(self, x, conv_rows, state_rows, fb, aux=None, par=None, drafts: int = 0):
         """The layer on a flattened step (``model.step.FlatBatch``): x [T, D]; conv_rows
         [R, W-1, 3P] and state_rows [R, H, dk, dv] read for the step's rows (fresh rows zeroed).
         Returns (out [T, D], (new conv rows, new state rows, snapshot conv [NS, ..],
-        snapshot state [NS, ..]))."""
+        snapshot state [NS, ..])); with ``drafts`` (speculative decode rows of up to that many
+        drafts, ``kernels/kda_spec.py``) the tuple goes on with the drafts' journal: keys, decays,
+        deltas ``[R, drafts, H, d]`` fp32 and pre-conv rows ``[R, drafts, 3P]``."""
         cfg = self.cfg
         T = x.shape[0]
         H, dk = cfg.kda_num_heads, cfg.kda_head_dim
@@ -135,26 +138,34 @@ class KDA(nnx.Module):
         if aux is not None:
             aux["kda_log_decay"] = g
             aux["kda_beta"] = beta
-        core = functools.partial(_flat_core, H=H, dk=dk, P=P)
+        core = functools.partial(_flat_core, H=H, dk=dk, P=P, drafts=drafts)
         args = (raw, conv_w, g, beta, conv_rows, state_rows, fb.tok_row, fb.cu_q_lens, fb.q_lens, fb.start_pos,
-                fb.snap_row, fb.snap_len)
-        o, new = core(*args) if par is None else par.kda_core(core, *args)
+                fb.snap_row, fb.snap_len, fb.decode)
+        if par is not None and drafts:
+            raise NotImplementedError("speculative decoding does not run under a recipe yet")
+        o, new = core(*args) if par is None else par.kda_core(core, *args[:-1])
         del T
         return self.output(x, o), new
 
 
 def _flat_core(raw, conv_w, g, beta, conv_rows, state_rows, tok_row, cu_q_lens, q_lens, start_pos, snap_row, snap_len,
-               *, H, dk, P):
+               decode=None, *, H, dk, P, drafts: int = 0):
     """Conv, activation, normalisation and the ragged recurrence of one KDA layer on a
-    flattened step; everything per row lives in ``conv_rows`` / ``state_rows``."""
+    flattened step; everything per row lives in ``conv_rows`` / ``state_rows``. ``decode``: the
+    step's row kinds (bool [R], optional without ``drafts``)."""
     T, R = raw.shape[0], q_lens.shape[0]
     tok_row, snap_row = local_rows(tok_row, R), local_rows(snap_row, R)
+    commit = None if decode is None else jnp.where(decode, jnp.minimum(q_lens, 1), q_lens)
     y, new_conv, snap_conv = ops.ragged_causal_conv(raw, conv_rows, conv_w, tok_row, cu_q_lens, q_lens, snap_row,
-                                                    snap_len)
+                                                    snap_len, commit)
     y = jax.nn.silu(y)
     q, k, v = (t.reshape(T, H, dk) for t in (y[:, :P], y[:, P : 2 * P], y[:, 2 * P :]))
     qn = l2_normalize(q) * (dk ** -0.5)
     kn = l2_normalize(k)
-    o, new_state, snap_state = ops.kda_ragged(qn, kn, v, g, beta, state_rows, tok_row, cu_q_lens, q_lens, start_pos,
-                                              snap_row, snap_len)
-    return o, (new_conv, new_state, snap_conv, snap_state)
+    out = ops.kda_ragged(qn, kn, v, g, beta, state_rows, tok_row, cu_q_lens, q_lens, start_pos, snap_row, snap_len,
+                         decode=decode, drafts=drafts)
+    o, new_state, snap_state = out[:3]
+    if not drafts:
+        return o, (new_conv, new_state, snap_conv, snap_state)
+    raw_drafts = draft_tokens(raw, cu_q_lens, drafts)  # the drafts' pre-conv rows, for the conv window's fold
+    return o, (new_conv, new_state, snap_conv, snap_state, *out[3], raw_drafts)

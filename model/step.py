@@ -15,7 +15,15 @@ Snapshots (prefix caching): entry ``s`` asks for the KDA state and conv window o
 ``snap_row[s]`` after its first ``snap_len[s]`` tokens of this step, written to slot
 ``snap_slot[s]``; unused entries have ``snap_row == -1`` and an out-of-range slot.
 
-Logits are computed at ``logits_idx`` only (each row's last token; ``-1`` for none).
+Logits are computed at ``logits_idx`` only (each row's last token; ``-1`` for none; ``[R, n]``
+under speculative decoding: every verify position of a decode row).
+
+Speculative decoding (``docs/speculative.md``): every row has an explicit kind, ``decode``; a
+decode row carries its last token and ``q_len - 1`` drafts (0 allowed), whatever its length it
+takes the decode path. Its first token is committed like plain decoding, its drafts are verified
+from there and journaled (``kernels/kda_spec.py``) in entry ``jrow`` of the step's journal; the
+next step first folds the ``fold_len`` accepted ones into the row's state and conv window. MLA
+writes every position; a rejected draft's row is overwritten later (rollback is the length).
 
 Attention DP (``dp`` groups): the token axis is ``dp`` blocks of ``T / dp`` tokens and the row
 axis ``dp`` blocks of ``R / dp`` rows, group ``g``'s in block ``g``; ``cu_q_lens`` is ``dp``
@@ -49,6 +57,11 @@ class FlatBatch:
     snap_row: jax.Array  # [NS]
     snap_len: jax.Array  # [NS]
     snap_slot: jax.Array  # [NS]
+    # the row's kind, explicit (speculative decoding): a decode row is its last token plus
+    # q_len - 1 drafts; None: rows of one token decode (no drafts anywhere)
+    decode: jax.Array | None = None  # [R] bool
+    fold_len: jax.Array | None = None  # [R] journaled drafts to commit before the step (accepted last step)
+    jrow: jax.Array | None = None  # [R] the row's journal entry (read by the fold, written by the verify)
 
     @property
     def num_rows(self) -> int:

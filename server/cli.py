@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from .api.engine_args import add_prefix_flags
+from .api.engine_args import add_prefix_flags, add_spec_flags
 
 
 def _model_dir(args) -> Path:
@@ -401,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
     sv.add_argument("--served-model-name", default=None)
     add_prefix_flags(sv)
+    add_spec_flags(sv)
     add_cluster_flags(sv)
     add_pd_flags(sv)
     sv.set_defaults(func=cmd_serve)

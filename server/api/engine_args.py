@@ -36,6 +36,25 @@ def prefix_kwargs(args) -> dict:
                 prefix_host_bytes=int(args.prefix_host_gb * (1 << 30)))
 
 
+def add_spec_flags(p) -> None:
+    g = p.add_argument_group("speculative decoding (off by default; docs/speculative.md)")
+    g.add_argument("--speculative", choices=("ngram", "suffix"), default=None,
+                   help="draft with prompt lookup (ngram) or suffix decoding (suffix); greedy and seeded "
+                        "outputs are exactly those without speculation")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, help="most drafts a decode row carries (k)")
+    g.add_argument("--speculative-max-rows", type=int, default=None,
+                   help="no drafts in a step while more requests than this run (default: always draft)")
+
+
+def spec_kwargs(args) -> dict:
+    """Engine keyword arguments of the speculative flags (``add_spec_flags``)."""
+    method = getattr(args, "speculative", None)
+    if not method:
+        return {}
+    return dict(speculative={"method": method, "num_speculative_tokens": args.num_speculative_tokens,
+                             "max_rows": args.speculative_max_rows})
+
+
 def pd_handoff_bytes(args) -> int:
     """``--pd-handoff-memory-gb`` in bytes on a P/D server (0 on a unified one)."""
     if getattr(args, "role", "unified") == "unified":
@@ -74,7 +93,7 @@ def build_engine(args, path, dispatch=None):
                  bucket_growth=args.bucket_growth,
                  detokenizer=detok, async_scheduling=not args.sync, recipe=args.recipe,
                  dispatch=dispatch, pd_handoff_bytes=pd_handoff_bytes(args), pd_role=getattr(args, "role", None),
-                 **prefix_kwargs(args), **kv)
+                 **prefix_kwargs(args), **spec_kwargs(args), **kv)
     return eng
 
 

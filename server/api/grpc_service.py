@@ -298,7 +298,9 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
                     on_final(out)
                 done = pb.GenerateComplete(output_ids=out.token_ids, finish_reason=out.finish_reason or "abort",
                                            prompt_tokens=n_prompt, completion_tokens=out.completion_tokens,
-                                           cached_tokens=out.cached_tokens)
+                                           cached_tokens=out.cached_tokens,
+                                           spec_draft_tokens=getattr(out, "spec_draft_tokens", 0),
+                                           spec_accepted_tokens=getattr(out, "spec_accepted_tokens", 0))
                 if isinstance(out.matched_stop, str):
                     done.matched_stop_str = out.matched_stop
                 elif out.matched_stop is not None:
@@ -380,6 +382,7 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         st = loop.stats()
         eng = loop.engine
         args.update(max_total_num_tokens=st["max_tokens_in_kv"], **_mesh(eng), **self._disaggregation_args(),
+                    speculative_algorithm=eng.spec_method, speculative_num_draft_tokens=eng.spec_k,
                     **self.server_args)
         ps = eng.capacity_plan.page_size
         sched = {"num_pages": eng.capacity_plan.num_pages, "num_slots": eng.capacity_plan.num_slots,
@@ -409,6 +412,11 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
             num_waiting_uncached_tokens=st["waiting_uncached_tokens"])
         if self.pd_prefill is not None or self.pd_decode is not None:
             load.disaggregation.CopyFrom(self._disaggregation_metrics(st))
+        rows = sum(st.get("spec_accept_counts") or [])
+        if rows:  # speculative decoding: tokens a verified row emits (accepted + 1), drafts accepted
+            load.speculative.CopyFrom(pb.SpeculativeMetrics(
+                accept_length=1 + st["spec_accepted_tokens"] / rows,
+                accept_rate=st["spec_accepted_tokens"] / max(1, st["spec_draft_tokens"])))
         plan = eng.capacity_plan  # the KV pools plus the memory set aside for P/D handoffs
         load.memory.CopyFrom(pb.MemoryMetrics(kv_cache_gb=(plan.total_bytes + plan.handoff_bytes) / 2**30,
                                               token_capacity=st["max_tokens_in_kv"]))

@@ -9,7 +9,7 @@ from the snapshot the engine thread publishes after each step (a scrape never wa
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -87,6 +87,16 @@ class _EngineCollector:
         yield CounterMetricFamily("k3serve_compilations", "Traces of the step function (compiles)",
                                   value=st["num_compiles"])
         yield CounterMetricFamily("k3serve_engine_steps", "Engine steps", value=st["num_steps"])
+        counts = st.get("spec_accept_counts") or []
+        if len(counts) > 1:  # speculative decoding: decode rows with drafts, by drafts accepted
+            cum, buckets = 0, []
+            for a, n in enumerate(counts):
+                cum += n
+                buckets.append((str(a), cum))
+            buckets.append(("+Inf", cum))
+            yield HistogramMetricFamily("k3serve_spec_accepted_drafts", "Drafts accepted per speculative decode row",
+                                        buckets=buckets, sum_value=st["spec_accepted_tokens"])
+            yield CounterMetricFamily("k3serve_spec_draft_tokens", "Drafts verified", value=st["spec_draft_tokens"])
         if st.get("prefix_caching"):
             c = lambda name, doc, key: CounterMetricFamily(name, doc, value=st[key])
             yield c("k3serve_prefix_query_tokens", "Prompt tokens of admitted requests (prefix-cache lookups)",

@@ -63,15 +63,43 @@ class Engine:
                  prefix_second_hit: bool = True, prefix_output_end: bool = True,
                  prefix_snapshots: int | None = None, prefix_cache_bytes: int | None = None,
                  prefix_host_bytes: int = 1 << 30, bucket_growth: int = 8, dispatch=None, pd_handoff_bytes: int = 0,
-                 pd_role: str | None = None, abstract: bool = False):
+                 pd_role: str | None = None, abstract: bool = False, speculative: dict | None = None,
+                 drafter=None):
         """``abstract``: build the engine for compiling only (``aot_build``, ``k3serve compile``):
         ``model.params`` are ``ShapeDtypeStruct``s already placed on ``devices`` (by the recipe's
         ``placement_for``, or on ``devices[0]``), the cache and the runner's arrays are made as
         ``ShapeDtypeStruct``s there too, and nothing is allocated, placed, compiled or run
-        (no warm-up): the programs are lowered from ``self.runner`` and ``self.cache_mgr``."""
+        (no warm-up): the programs are lowered from ``self.runner`` and ``self.cache_mgr``.
+
+        ``speculative`` (``docs/speculative.md``): ``{"method": "ngram"|"suffix",
+        "num_speculative_tokens": k, "max_rows": N (optional: no drafts while more than N
+        requests run), ...the method's options}``. Decode rows carry up to ``k`` drafts, verified
+        in the step; emitted tokens are exactly those of plain decoding (greedy, and seeded
+        sampling too). ``drafter`` (tests): an object with ``propose(req, max_tokens)`` and
+        ``finish(req, keep)`` used instead of the method's. For now speculation runs without a
+        recipe, on the reference kernels, with synchronous scheduling."""
         from .dispatch import LocalDispatch
 
         cfg = model.config
+        spec_k, spec_rows = 0, None
+        if speculative is not None:
+            spec_k = int(speculative.get("num_speculative_tokens", 0))
+            spec_rows = speculative.get("max_rows")
+            if drafter is None:
+                from ..spec.drafting import make_drafter
+
+                drafter = make_drafter(speculative)
+            elif spec_k < 1:
+                raise ValueError(f"num_speculative_tokens must be >= 1, got {spec_k}")
+            if recipe is not None or cfg.kernels != "reference":
+                raise ValueError("speculative decoding runs on the reference kernels without a recipe for now "
+                                 f"(recipe {recipe!r}, kernels {cfg.kernels!r})")
+            async_scheduling = False  # the drafts need the last token on the host
+        self.drafter = drafter if spec_k else None
+        self.spec_k = spec_k
+        self.spec_method = (speculative or {}).get("method") if spec_k else None  # GetServerInfo
+        self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.spec_accept_counts = [0] * (spec_k + 1)  # decode rows with drafts, by drafts accepted
         # the device calls made while serving, by name (server.cluster: replayed on followers)
         self.dispatch = dispatch if dispatch is not None else LocalDispatch()
         if compilation_cache_dir:  # process-global; entry points normally set it (compile_cache.py)
@@ -111,7 +139,7 @@ class Engine:
         self.capacity_plan = plan_capacity(cfg, page_size=page_size, dtype=model.dtype, kv_memory_bytes=kv_memory_bytes,
                                   max_num_seqs=max_num_seqs, num_pages=num_pages, dp=dp, dcp=dcp,
                                   snapshot_slots=prefix_snapshots if enable_prefix_caching else 0,
-                                  handoff_bytes=pd_handoff_bytes)
+                                  handoff_bytes=pd_handoff_bytes, num_speculative_tokens=spec_k)
         self.cache_mgr = CacheManager(cfg, self.capacity_plan, model.dtype, allocate=self.par is None and not abstract,
                                       dispatch=self.dispatch)
         if abstract:
@@ -134,11 +162,12 @@ class Engine:
                                       max_bytes=prefix_cache_bytes, host_bytes=prefix_host_bytes)
         self.scheduler = Scheduler(self.cache_mgr, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, chunk_size=chunk_size,
-                                   max_model_len=max_model_len, prefix_cache=self.prefix_cache)
+                                   max_model_len=max_model_len, prefix_cache=self.prefix_cache,
+                                   drafter=self.drafter, max_drafts=spec_k, spec_max_rows=spec_rows)
         self.runner = Runner(model, self.cache_mgr, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                              max_logprobs=max_logprobs, par=self.par, bucket_growth=bucket_growth,
-                             dispatch=self.dispatch, abstract=abstract)
+                             dispatch=self.dispatch, abstract=abstract, num_speculative_tokens=spec_k)
         self.requests: dict[str, Request] = {}
         self.broken: BaseException | None = None  # a step failed: the state is half-updated, no more steps
         self._owed: dict[str, Request] = {}  # finished outside a step (abort): final output owed
@@ -316,6 +345,8 @@ class Engine:
 
     def _finish(self, req: Request, reason: str, matched=None) -> None:
         self._on_reserved.pop(req.rid, None)
+        if self.drafter is not None:
+            self.drafter.finish(req, keep=reason != "abort")
         req.prefilled = None
         self.scheduler.remove(req)
         self.runner.release(req.rid)
@@ -374,6 +405,7 @@ class Engine:
         self.num_preemptions += len(step_plan.preempted)
         for req in step_plan.preempted:
             self.runner.release(req.rid)  # its token table row is rebuilt when it runs again
+            req.spec_fold = 0  # its slot is gone with the drafts it had accepted
         launched = None
         self.cache_mgr.flush_copies()  # prefix hits: shared tail page -> own copy; host-tier reloads
         if step_plan.rows:
@@ -414,7 +446,8 @@ class Engine:
                                          req.finish_reason, req.matched_stop, len(req.prompt), n,
                                          req.logprobs if fin and lp else None, req.cached_tokens or 0,
                                          req.logprobs[req.emitted:] if lp else None,
-                                         req.handoff if fin else None))
+                                         req.handoff if fin else None, req.spec_draft_tokens,
+                                         req.spec_accepted_tokens))
             req.emitted = n
             if fin:
                 del self.requests[req.rid]
@@ -432,18 +465,55 @@ class Engine:
             if req.finished:  # finished (stop seen late, or aborted) while this step ran: drop it
                 continue
             touched[req.rid] = req
+            if out.accepted is not None:  # speculative: the accepted drafts and one token more
+                self._take_verified(req, row, out, i)
+                continue
             tok = int(out.tokens[i])
-            req.output.append(tok)
-            if req.params.logprobs is not None:
-                n = req.params.logprobs
-                req.logprobs.append((float(out.logprob[i]),
-                                     [(int(a), float(b)) for a, b in zip(out.top_ids[i][:n], out.top_logprobs[i][:n])]))
+            self._append(req, tok, out, i)
             if req.export:  # P/D prefill: read the cache out before it is freed (handoff.py)
                 self._export(req, tok)
                 continue
             self._check_stop(req, tok)
             if self.prefix_cache is not None and not req.finished:
                 self.prefix_cache.register_ready(req)  # snapshots waiting for this token to be keyed
+
+    def _append(self, req: Request, tok: int, out, i: int, j: int | None = None) -> None:
+        """Append sampled token ``tok`` (row ``i``'s, verify position ``j`` of a speculative step)."""
+        req.output.append(tok)
+        if req.params.logprobs is not None:
+            n = req.params.logprobs
+            at = (i,) if j is None else (i, j)
+            req.logprobs.append((float(out.logprob[at]),
+                                 [(int(a), float(b)) for a, b in zip(out.top_ids[at][:n], out.top_logprobs[at][:n])]))
+
+    def _take_verified(self, req: Request, row, out, i: int) -> None:
+        """A speculative step's row: emit the target's tokens at positions ``0 .. accepted``
+        (drafts kept while they equal them, then the correction or the bonus token), checking
+        stops after each — a stop id or string, ``max_new_tokens`` or ``max_model_len`` inside
+        the block ends the request there and drops the rest. The cache keeps only committed
+        tokens: ``num_computed`` loses the rejected drafts (their MLA rows are overwritten
+        later) and the next step folds the accepted ones into the KDA state."""
+        d = len(row.drafts)
+        a = int(out.accepted[i]) if row.decode else 0
+        if row.decode and d:
+            self.spec_draft_tokens += d
+            self.spec_accepted_tokens += a
+            req.spec_draft_tokens += d
+            req.spec_accepted_tokens += a
+            self.spec_accept_counts[a] += 1
+        req.num_computed -= d - a
+        req.spec_fold = a if row.decode else 0
+        for j in range(a + 1):
+            tok = int(out.tokens[i, j])
+            self._append(req, tok, out, i, j)
+            if req.export:
+                self._export(req, tok)
+                return
+            self._check_stop(req, tok)
+            if req.finished:
+                return
+        if self.prefix_cache is not None:
+            self.prefix_cache.register_ready(req)
 
     def _export(self, req: Request, tok: int) -> None:
         from .handoff import Handoff
@@ -487,6 +557,9 @@ class Engine:
         evictable = self.prefix_cache.index.num_evictable_pages() if self.prefix_cache is not None else 0
         return {
             "num_compiles": self.num_compiles,
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
+            "spec_accept_counts": list(self.spec_accept_counts),
             "num_steps": self.num_steps,
             "num_preemptions": self.num_preemptions,
             "running": len(self.scheduler.running),

@@ -88,6 +88,9 @@ class Request:
     handoff: object = None  # the exported handoff.Handoff, on the final output
     prefilled: object = None  # P/D decode: the handoff.Handoff to write into the reservation
     awaiting: bool = False  # P/D decode: holds (or waits for) a reservation, no handoff taken yet
+    spec_fold: int = 0  # speculative: drafts accepted by the last step, committed at the start of the next
+    spec_draft_tokens: int = 0  # drafts verified for this request
+    spec_accepted_tokens: int = 0  # drafts accepted
 
     def __post_init__(self):
         if not self.rid:
@@ -152,3 +155,5 @@ class RequestOutput:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     new_logprobs: list | None = None  # the logprobs of ``new_token_ids`` (when logprobs were asked)
     handoff: object = None  # P/D prefill: the final output's handoff.Handoff
+    spec_draft_tokens: int = 0  # speculative decoding: drafts verified so far
+    spec_accepted_tokens: int = 0  # and accepted

@@ -57,7 +57,7 @@ from .sampler import SamplerInputs, record_tokens, row_settings, sample, token_t
 _SUPPRESS, _RECORD = 1, 2  # per-row flag bits
 # per-row int columns of the packed metadata, then 6 float columns (f32 bits)
 _COLS = ("start", "q_len", "read_slot", "write_slot", "fresh", "logits_idx", "first_tok", "from_prev", "trow",
-         "top_k", "seed", "step", "flags")
+         "top_k", "seed", "step", "flags", "decode", "fold", "jrow")
 _NUM_COLS = len(_COLS) + 6
 
 
@@ -66,23 +66,37 @@ def _columns(rows) -> dict:
     return {name: rows[:, k] for k, name in enumerate(_COLS)}
 
 
+def _sampler_inputs(rows, table) -> SamplerInputs:
+    """The sampler's per-row settings from a step's (traced) row block."""
+    col = _columns(rows)
+    fl = jax.lax.bitcast_convert_type(rows[:, len(_COLS):], jnp.float32)
+    return SamplerInputs(temperature=fl[:, 0], top_k=col["top_k"], top_p=fl[:, 1], min_p=fl[:, 2],
+                         repetition_penalty=fl[:, 3], frequency_penalty=fl[:, 4], presence_penalty=fl[:, 5],
+                         seed=jax.lax.bitcast_convert_type(col["seed"], jnp.uint32), step=col["step"],
+                         suppress=(col["flags"] & _SUPPRESS) != 0, table_rows=col["trow"], table=table)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """Where each part of a step's packed metadata sits in the flat ``i32`` array (static per
     token bucket): tokens ``[3, T]`` (ids, positions, rows), row columns ``[R, _NUM_COLS]``,
     page table ``[R, P]``, ``cu_q_lens`` ``[dp, R/dp + 1]``, snapshots ``[3, NS]`` (row,
-    tokens, slot; ``NS / dp`` per DP group, in the group's block)."""
+    tokens, slot; ``NS / dp`` per DP group, in the group's block); with speculative decoding
+    (``n`` verify positions a row) the token of each position to sample ``[R, n]`` (-1: none)
+    and whether it suppresses the stop ids ``[R, n]``."""
 
     T: int
     R: int
     P: int
     dp: int
     NS: int
+    n: int = 1
 
     @property
     def parts(self):
+        spec = (("lidx", (self.R, self.n)), ("supp", (self.R, self.n))) if self.n > 1 else ()
         return (("tok", (3, self.T)), ("rows", (self.R, _NUM_COLS)), ("table", (self.R, self.P)),
-                ("cu", (self.dp, self.R // self.dp + 1)), ("snap", (3, self.NS)))
+                ("cu", (self.dp, self.R // self.dp + 1)), ("snap", (3, self.NS))) + spec
 
     @property
     def size(self) -> int:
@@ -106,6 +120,7 @@ class HostSample:
     logprob: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
+    accepted: np.ndarray | None = None  # speculative: drafts accepted per row (tokens etc. are [rows, n])
 
 
 @dataclasses.dataclass
@@ -128,17 +143,26 @@ class InFlight:
             t = time.perf_counter()
             got = jax.device_get(self.out)
             self.runner.wait_s += time.perf_counter() - t
+            got, accepted = got if isinstance(got, tuple) else (got, None)
             self._host = HostSample(**{name: np.asarray(getattr(got, name))[self.index]
-                                       for name in ("tokens", "logprob", "top_ids", "top_logprobs")})
+                                       for name in ("tokens", "logprob", "top_ids", "top_logprobs")},
+                                    accepted=None if accepted is None else np.asarray(accepted)[self.index])
         return self._host
 
 
 class Runner:
     def __init__(self, model, cache_mgr, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 max_logprobs: int = 20, par=None, bucket_growth: int = 8, dispatch=None, abstract: bool = False):
+                 max_logprobs: int = 20, par=None, bucket_growth: int = 8, dispatch=None, abstract: bool = False,
+                 num_speculative_tokens: int = 0):
         """``abstract``: the cache manager's device cache is ``ShapeDtypeStruct``s (compiling for
         another platform, ``aot_build``): the runner's own arrays (token table, zero tokens) are
-        too, on the cache's devices, and nothing is placed or run."""
+        too, on the cache's devices, and nothing is placed or run.
+
+        ``num_speculative_tokens`` (``k``): decode rows may carry up to ``k`` drafts
+        (``docs/speculative.md``). The runner then keeps the KDA journal (an entry per running
+        request, ``model.k3.journal_shapes``) beside the cache and donates it to each step;
+        a step samples every verify position (``R * (k + 1)`` logits) and accepts on the
+        device (``server/spec/accept.py``)."""
         from .dispatch import LocalDispatch
 
         self.model = model
@@ -163,6 +187,23 @@ class Runner:
         self.num_steps = 0
         self._step_tokens: dict[int, jax.Array] = {}  # step number -> its sampled tokens (the last two)
         self.vocab_size = V = model.config.vocab_size
+        self.spec_k = k = int(num_speculative_tokens)
+        self.n_pos = k + 1  # verify positions of a decode row
+        self.journal = None
+        self._journal_row: dict[str, int] = {}
+        if k:
+            if par is not None:
+                raise NotImplementedError("speculative decoding does not run under a recipe yet")
+            from ...model.k3 import journal_shapes
+
+            entries = cache_mgr.capacity_plan.max_concurrent_slots
+            self._journal_free = list(range(entries - 1, -1, -1))
+            shapes = journal_shapes(model.config, entries, k, model.dtype)
+            if abstract:
+                dev = jax.tree.leaves(cache_mgr.device_cache)[0].sharding
+                self.journal = tuple(jax.ShapeDtypeStruct(sh, d, sharding=dev) for sh, d in shapes)
+            else:
+                self.journal = tuple(jnp.zeros(sh, d) for sh, d in shapes)
         # token table: row 0 for rows that use none, then one per request that can run at once
         # (a request slot: under attention DP dp * ceil(max_num_seqs / dp), not max_num_seqs)
         rows = cache_mgr.capacity_plan.max_concurrent_slots
@@ -197,7 +238,7 @@ class Runner:
         self.unroll_layers = False
         graphdef = model.graphdef
 
-        def fn(params, cache, meta, prev, *, lay: _Layout):
+        def fn(params, cache, meta, prev, journal=None, *, lay: _Layout):
             m = lay.split(meta)
             rows = m["rows"]
             col = _columns(rows)
@@ -210,7 +251,15 @@ class Runner:
             fb = FlatBatch(ids=ids, pos=pos, tok_row=tok_row, cu_q_lens=m["cu"].reshape(-1), start_pos=col["start"],
                            q_lens=col["q_len"], read_slot=col["read_slot"], write_slot=col["write_slot"],
                            fresh=col["fresh"] != 0, page_table=m["table"], logits_idx=col["logits_idx"],
-                           snap_row=snap[0], snap_len=snap[1], snap_slot=snap[2])
+                           snap_row=snap[0], snap_len=snap[1], snap_slot=snap[2], decode=col["decode"] != 0)
+            if journal is not None:  # speculative: every verify position is sampled
+                fb = dataclasses.replace(fb, logits_idx=m["lidx"], fold_len=col["fold"], jrow=col["jrow"])
+                logits, cache, journal = nnx.merge(graphdef, params).step(fb, cache, par=par,
+                                                                          unroll=self.unroll_layers, journal=journal)
+                # the sampler's view of the drafts: each row's tokens 1 .. k, and the suppression per position
+                at = jnp.minimum(col["first_tok"][:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :], lay.T - 1)
+                spec = jnp.concatenate([ids[at], m["supp"]], axis=1)
+                return logits, cache, rows, spec, journal
             logits, cache = nnx.merge(graphdef, params).step(fb, cache, par=par, unroll=self.unroll_layers)
             if par is not None:  # the cache goes out in the layout it came in (warm-up's AOT programs fix it)
                 cache = par.pin_cache(cache)
@@ -218,16 +267,38 @@ class Runner:
 
         def sample_body(logits, rows, table):
             col = _columns(rows)
-            fl = jax.lax.bitcast_convert_type(rows[:, len(_COLS):], jnp.float32)
-            sinp = SamplerInputs(temperature=fl[:, 0], top_k=col["top_k"], top_p=fl[:, 1], min_p=fl[:, 2],
-                                 repetition_penalty=fl[:, 3], frequency_penalty=fl[:, 4], presence_penalty=fl[:, 5],
-                                 seed=jax.lax.bitcast_convert_type(col["seed"], jnp.uint32), step=col["step"],
-                                 suppress=(col["flags"] & _SUPPRESS) != 0, table_rows=col["trow"], table=table)
-            out = sample(logits, sinp, max_logprobs)
+            out = sample(logits, _sampler_inputs(rows, table), max_logprobs)
             table = record_tokens(table, col["trow"], out.tokens, (col["flags"] & _RECORD) != 0)
             n = rows.shape[0]
             tokens = out.tokens if n == R else jnp.zeros(R, jnp.int32).at[:n].set(out.tokens)
             return out, tokens, table
+
+        def sample_spec(logits, rows, spec, table, *, use_table: bool):
+            """Sampling of a speculative step: every verify position of every row (``[R * n]``
+            logits), each with plain decoding's sampler row at that token
+            (``spec_positions.verify_sampler_inputs``); the drafts kept while they equal the
+            samples (``spec.accept.accepted_lengths``); the emitted tokens counted into the
+            token table. Returns (outputs ``[R, n, ...]``, accepted ``[R]``), the last emitted
+            token of each row (``[R]``, the next step's ``prev``), the table."""
+            from ..spec.accept import accepted_lengths
+            from .spec_positions import verify_sampler_inputs
+
+            n = k + 1
+            col = _columns(rows)
+            inp = _sampler_inputs(rows, table)
+            drafts, supp = spec[:, :k], spec[:, k:] != 0
+            num_drafts = jnp.where(col["decode"] != 0, jnp.maximum(col["q_len"] - 1, 0), 0)
+            vin = verify_sampler_inputs(inp, drafts, num_drafts, supp, use_table=use_table)
+            out = sample(logits, vin, max_logprobs)
+            Rn = rows.shape[0]
+            out = jax.tree.map(lambda a: a.reshape((Rn, n) + a.shape[1:]), out)
+            acc = accepted_lengths(out.tokens, drafts, num_drafts)
+            record = (col["flags"] & _RECORD) != 0
+            for j in range(n):  # the emitted tokens: positions 0 .. accepted
+                table = record_tokens(table, col["trow"], out.tokens[:, j], record & (j <= acc))
+            last = jnp.take_along_axis(out.tokens, acc[:, None], axis=1)[:, 0]
+            tokens = last if Rn == R else jnp.zeros(R, jnp.int32).at[:Rn].set(last)
+            return (out, acc), tokens, table
 
         def sample_fn(logits, rows, table):
             """Sampling for a step's rows (``[R, _NUM_COLS]`` of its metadata): a program of its
@@ -248,13 +319,15 @@ class Runner:
 
         self._step_fn = fn
         self._sample_jit = programs.jit(sample_fn, "sample", donate_argnums=(2,))
+        self._sample_spec_jit = {u: programs.jit(functools.partial(sample_spec, use_table=u), "sample",
+                                                 donate_argnums=(3,)) for u in (False, True)} if k else {}
         self.dispatch = dispatch if dispatch is not None else LocalDispatch()
         self.dispatch.register("step", self._run_step)
         self.dispatch.register("table_row", self._write_table_row)
 
     def layout(self, T: int) -> _Layout:
         Rg = self.rows_for(T)
-        return _Layout(T=T * self.dp, R=self.dp * Rg, P=self.page_width, dp=self.dp, NS=self.dp * Rg)
+        return _Layout(T=T * self.dp, R=self.dp * Rg, P=self.page_width, dp=self.dp, NS=self.dp * Rg, n=self.n_pos)
 
     def rows_for(self, T: int) -> int:
         """Rows per DP group of a step in token bucket ``T``: every row has a token, so no
@@ -298,7 +371,10 @@ class Runner:
         fl = rcols[:, len(_COLS):].view(np.float32)
         Rg = lay.R // self.dp
         tok[2] = -1  # padding tokens belong to no row
-        col["logits_idx"][:] = col["from_prev"][:] = -1
+        col["logits_idx"][:] = col["from_prev"][:] = col["jrow"][:] = -1
+        spec = self.n_pos > 1
+        if spec:
+            m["lidx"][:] = -1
         col["write_slot"][:] = self.num_slots  # rows without tokens write nothing
         for g in range(self.dp):
             col["read_slot"][g * Rg:(g + 1) * Rg] = self.cache_mgr.scratch_slot(g)
@@ -314,17 +390,22 @@ class Runner:
             lr, t0 = used_rows[g], used_tok[g]
             ri, ti = g * Rg + lr, g * Tg + t0  # global row / first token
             n = r.num_tokens
+            drafts = getattr(r, "drafts", ())
+            base = n - len(drafts)  # the row's own tokens; the drafts follow them
+            if drafts and (not spec or len(drafts) > self.spec_k or not r.decode):
+                raise ValueError(f"{req.rid}: {len(drafts)} drafts on a row that cannot carry them")
             used_rows[g], used_tok[g] = lr + 1, t0 + n
             cu[g, lr + 1:] = t0 + n
             index[i] = ri
             known = req.num_known
-            if r.start + n > known:  # the input token is the previous step's sample
+            if r.start + base > known:  # the input token is the previous step's sample
                 if (n != 1 or r.start != known or prev is None or req.sample_row is None
                         or req.sample_row[0] != prev.step):
                     raise RuntimeError(f"{req.rid}: input token {r.start} is not available from the previous step")
                 col["from_prev"][ri] = req.sample_row[1]
             else:
-                tok[0, ti:ti + n] = req.token_slice(r.start, r.start + n)
+                tok[0, ti:ti + base] = req.token_slice(r.start, r.start + base)
+                tok[0, ti + base:ti + n] = drafts
             tok[1, ti:ti + n] = np.arange(r.start, r.start + n)
             tok[2, ti:ti + n] = lr
             slot = self.cache_mgr.slot_of(req.rid)
@@ -336,9 +417,19 @@ class Runner:
             col["fresh"][ri] = r.start == 0
             col["first_tok"][ri], col["logits_idx"][ri] = ti, ti + n - 1
             col["step"][ri] = req.num_generated
+            col["decode"][ri] = bool(getattr(r, "decode", False))
             table[ri] = self.cache_mgr.page_table_row(req.rid, self.page_width)
             p = req.params
             sup = bool(req.num_generated < p.min_new_tokens and self._suppress_ids(p))
+            if spec:  # every verify position of a decode row is sampled; a prefill row's last token
+                npos = n if col["decode"][ri] else 1
+                m["lidx"][ri, :npos] = np.arange(ti + n - npos, ti + n)
+                m["supp"][ri, :npos] = [bool(sup and req.num_generated + j < p.min_new_tokens) for j in range(npos)]
+                if col["decode"][ri]:
+                    col["jrow"][ri] = self._journal_entry(req.rid)
+                    col["fold"][ri], req.spec_fold = req.spec_fold, 0  # last step's accepted drafts
+                elif req.spec_fold:
+                    raise RuntimeError(f"{req.rid}: accepted drafts left unfolded before a prefill row")
             trow = self._table_row.get(req.rid)
             if trow is None and (sup or uses_penalties(p)):
                 trow = self._init_row(req)
@@ -357,14 +448,17 @@ class Runner:
         f, k_, s_ = row_settings([r.req.params for r in rows], [r.req.seed for r in rows], len(rows))
         fl[index] = f.T
         col["top_k"][index], col["seed"][index] = k_, s_.view(np.int32)
-        step, out, tokens = self.dispatch("step", Tg, meta, prev.step if prev is not None else -1)
+        use_table = bool(spec and (col["trow"] > 0).any())
+        step, out, tokens = self.dispatch("step", Tg, meta, prev.step if prev is not None else -1, use_table)
         self.launch_s += time.perf_counter() - t
         return InFlight(step, list(rows), out, tokens, index, self)
 
-    def _run_step(self, T: int, meta: np.ndarray, prev_step: int):
+    def _run_step(self, T: int, meta: np.ndarray, prev_step: int, use_table: bool = False):
         """Launch the step program of bucket ``T`` on packed metadata ``meta`` and its sampling
         (the dispatched operation "step"); ``prev_step``: the step whose sampled tokens feed
-        this one's ``from_prev`` rows (-1: none). Returns (step number, outputs, tokens)."""
+        this one's ``from_prev`` rows (-1: none); ``use_table`` (speculative steps): some row
+        reads the token table, so each verify position gets its own table row. Returns (step
+        number, outputs, tokens)."""
         self.buckets_used.add(T)
         if prev_step < 0:
             prev_tokens = self._zero_prev
@@ -373,9 +467,17 @@ class Runner:
         else:
             raise RuntimeError(f"step {prev_step}'s tokens are gone (only {sorted(self._step_tokens)} are kept)")
         fn = self._compiled.get(T) or self._jit(T)
-        logits, self.cache_mgr.device_cache, rows_dev = fn(
-            self.model.params, self.cache_mgr.device_cache, jax.device_put(meta, self._meta_sharding), prev_tokens)
-        out, tokens, self.table = self._sampler(self.layout(T).R)(logits, rows_dev, self.table)
+        if self.journal is not None:
+            logits, self.cache_mgr.device_cache, rows_dev, spec, self.journal = fn(
+                self.model.params, self.cache_mgr.device_cache, jax.device_put(meta, self._meta_sharding), prev_tokens,
+                self.journal)
+            out, tokens, self.table = self._spec_sampler(self.layout(T).R, use_table)(logits, rows_dev, spec,
+                                                                                      self.table)
+        else:
+            logits, self.cache_mgr.device_cache, rows_dev = fn(
+                self.model.params, self.cache_mgr.device_cache, jax.device_put(meta, self._meta_sharding),
+                prev_tokens)
+            out, tokens, self.table = self._sampler(self.layout(T).R)(logits, rows_dev, self.table)
         self.num_steps += 1
         self._step_tokens[self.num_steps] = tokens
         self._step_tokens.pop(self.num_steps - 2, None)
@@ -389,8 +491,21 @@ class Runner:
         f = self._fns.get(T)
         if f is None:
             f = self._fns[T] = self.programs.jit(functools.partial(self._step_fn, lay=self.layout(T)), "step",
-                                                 donate_argnums=(1,))
+                                                 donate_argnums=(1, 4) if self.journal is not None else (1,))
         return f
+
+    def _spec_sampler(self, R: int, use_table: bool):
+        """The speculative sampling program for steps of ``R`` rows (compiled at warm-up)."""
+        return self._compiled_sample.get((R, use_table)) or self._sample_spec_jit[use_table]
+
+    def _journal_entry(self, rid) -> int:
+        """``rid``'s entry in the KDA journal, given at its first decode row under speculation."""
+        e = self._journal_row.get(rid)
+        if e is None:
+            if not self._journal_free:
+                raise RuntimeError("KDA journal full (more decoding requests than request slots)")
+            e = self._journal_row[rid] = self._journal_free.pop()
+        return e
 
     def _sampler(self, R: int):
         """The sampling program for steps of ``R`` rows (compiled at warm-up)."""
@@ -426,6 +541,9 @@ class Runner:
         i = self._table_row.pop(rid, None)
         if i is not None:
             self._table_free.append(i)
+        e = self._journal_row.pop(rid, None)
+        if e is not None:
+            self._journal_free.append(e)
 
     def check_table(self, requests) -> None:
         """The device token table equals the one built from the host's histories, for every
@@ -456,7 +574,8 @@ class Runner:
         sampling program per distinct row count, and the small programs warm-up compiled
         (``warm_fixed``: cache copies, reads and loads, the token-table row)."""
         buckets = list(buckets)
-        return len(buckets) + len({self.layout(T).R for T in buckets}) + self.warm_fixed
+        samplers = len({self.layout(T).R for T in buckets}) * (2 if self.journal is not None else 1)
+        return len(buckets) + samplers + self.warm_fixed
 
     def warm_table_row(self) -> None:
         """Compile the token-table row write (one program: the row is always ``[V]``) by
@@ -472,9 +591,14 @@ class Runner:
         rows[:, _COLS.index("logits_idx")] = rows[:, _COLS.index("from_prev")] = -1
         rows[:, _COLS.index("write_slot")] = self.num_slots
         m["snap"][0], m["snap"][2] = -1, self.num_slots
+        if self.n_pos > 1:
+            m["lidx"][:] = -1
+            rows[:, _COLS.index("jrow")] = -1
+        journal = (self.journal,) if self.journal is not None else ()
         if self.abstract:  # placed as ``_run_step`` places it: replicated on a mesh
-            return jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=self._meta_sharding), self._zero_prev
-        return jax.device_put(meta, self._meta_sharding), self._zero_prev
+            return (jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=self._meta_sharding), self._zero_prev,
+                    *journal)
+        return (jax.device_put(meta, self._meta_sharding), self._zero_prev, *journal)
 
     def warmup(self, workers: int | None = None) -> int:
         """Compile every token bucket's step and each row count's sampling ahead of time;
@@ -498,7 +622,15 @@ class Runner:
                 lowered = self._jit(T).lower(self.model.params, self.cache_mgr.device_cache, *self._padding_args(T))
                 futures[T] = ex.submit(lowered.compile)
                 R = self.layout(T).R
-                if R not in self._compiled_sample and R not in sfutures:
+                if self.journal is not None:
+                    for u in (False, True):
+                        if (R, u) not in self._compiled_sample and (R, u) not in sfutures:
+                            def spec_sampler(step=futures[T], u=u):
+                                logits, _, rows, spec, _ = step.result().out_info
+                                return self._sample_spec_jit[u].lower(logits, rows, spec, self.table).compile()
+
+                            sfutures[(R, u)] = ex.submit(spec_sampler)
+                elif R not in self._compiled_sample and R not in sfutures:
                     # lowered against the compiled step's outputs (logits, rows): their shapes
                     # and the shardings XLA chose; the step's compile was submitted first
                     def sampler(step=futures[T]):
@@ -515,6 +647,13 @@ class Runner:
         wait_for_processes("warmup-compiled")
         # run each program once (first-run allocations), with the cache and table flowing through
         for T in shapes:
+            if self.journal is not None:
+                logits, self.cache_mgr.device_cache, rows, spec, self.journal = self._compiled[T](
+                    self.model.params, self.cache_mgr.device_cache, *self._padding_args(T))
+                for u in (False, True):
+                    out, _, self.table = self._spec_sampler(self.layout(T).R, u)(logits, rows, spec, self.table)
+                jax.block_until_ready(out)
+                continue
             logits, self.cache_mgr.device_cache, rows = self._compiled[T](
                 self.model.params, self.cache_mgr.device_cache, *self._padding_args(T))
             out, _, self.table = self._sampler(self.layout(T).R)(logits, rows, self.table)

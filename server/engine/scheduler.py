@@ -36,6 +36,8 @@ class ScheduledRow:
     start: int  # first token position computed in this step (= req.num_computed)
     num_tokens: int
     samples: bool  # the chunk reaches the end of the request's tokens: sample a new token
+    decode: bool = False  # a decode row: the request's last token (plus drafts), never a prefill chunk
+    drafts: tuple = ()  # speculative: proposed tokens after the last one (counted in num_tokens)
 
 
 @dataclasses.dataclass
@@ -51,7 +53,15 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, cache_mgr, *, max_num_seqs: int, max_num_batched_tokens: int, chunk_size: int,
-                 max_model_len: int | None = None, prefix_cache=None):
+                 max_model_len: int | None = None, prefix_cache=None, drafter=None, max_drafts: int = 0,
+                 spec_max_rows: int | None = None):
+        """``drafter`` (speculative decoding): ``propose(req, max_tokens) -> list[int]``, asked for
+        every decode row while at most ``spec_max_rows`` requests run (None: always); a row
+        carries at most ``max_drafts`` drafts, fewer near ``max_new_tokens``, ``max_model_len``
+        or the end of the token budget, none when its pages would not fit them."""
+        self.drafter = drafter
+        self.max_drafts = max_drafts
+        self.spec_max_rows = spec_max_rows
         self.cache_mgr = cache_mgr
         self.prefix_cache = prefix_cache
         self.max_model_len = max_model_len
@@ -100,10 +110,22 @@ class Scheduler:
                 return False
         return True
 
+    def _drafts(self, req: Request, budget: int) -> tuple:
+        """The drafts of ``req``'s decode row: what the drafter proposes, cut so that the row fits
+        the budget and the emitted tokens (at most drafts + 1) stay within ``max_new_tokens`` and
+        ``max_model_len``."""
+        room = min(self.max_drafts, budget - 1, req.params.max_new_tokens - req.num_generated - 1)
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - req.num_tokens - 1)
+        if room <= 0 or req.pending:
+            return ()
+        return tuple(int(t) for t in self.drafter.propose(req, room)[:room])
+
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.running.remove(req)
         self._release(req)
         req.num_computed = 0
+        req.spec_fold = 0  # the slot's state is dropped with the journal's pending drafts
         req.num_preemptions += 1
         plan.preempted.append(req)
         self.add(req)
@@ -112,6 +134,7 @@ class Scheduler:
         plan = StepPlan([], [])
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
+        speculate = self.drafter is not None and (self.spec_max_rows is None or len(self.running) <= self.spec_max_rows)
         # decode rows first (one token each), then prefill chunks from what is left of the
         # budget, oldest first within each: a long prefill never delays a decoding request
         for req in sorted(self.running, key=lambda r: (r.remaining > 1, r.sort_key())):
@@ -120,6 +143,11 @@ class Scheduler:
             if self._complete(req):
                 continue
             n = min(req.remaining, self.chunk_size, budget)
+            decode = req.remaining == 1
+            drafts = self._drafts(req, budget) if decode and speculate else ()
+            if drafts and not self._grow(req, req.num_computed + 1 + len(drafts)):
+                drafts = ()  # no pages for the drafts: decode without them (no preemption for a guess)
+            n += len(drafts)
             while not self._grow(req, req.num_computed + n):
                 # only a request of the same attention DP group frees pages this one can use
                 group = self.cache_mgr.group_of(req.rid)
@@ -134,7 +162,8 @@ class Scheduler:
                     break
             if req.status is not Status.RUNNING:
                 continue
-            plan.rows.append(ScheduledRow(req, req.num_computed, n, req.num_computed + n == req.num_tokens))
+            plan.rows.append(ScheduledRow(req, req.num_computed, n, req.num_computed + n - len(drafts) == req.num_tokens,
+                                          decode, drafts))
             scheduled.add(req.rid)
             budget -= n
         # admit waiting requests (not ones preempted in this very step)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 
 from ....intmath import cdiv
 from ....model.cache import cache_bytes
@@ -37,11 +38,12 @@ class CapacityPlan:
     dcp: int = 1  # decode context parallel ranks per group: each group's pages in dcp blocks
     snapshot_slots: int = 0  # KDA prefix snapshot slots (issue #6), split evenly over the DP groups
     handoff_bytes: int = 0  # set aside for P/D handoff arrays outside the pools (not in total_bytes)
+    journal_bytes: int = 0  # speculative decoding's KDA journal, an entry per request slot (not in total_bytes)
 
 
 def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = None,
                   max_num_seqs: int, num_pages: int | None = None, dp: int = 1, dcp: int = 1,
-                  snapshot_slots: int = 0, handoff_bytes: int = 0) -> CapacityPlan:
+                  snapshot_slots: int = 0, handoff_bytes: int = 0, num_speculative_tokens: int = 0) -> CapacityPlan:
     """Size the cache: ``max_num_seqs`` slots (+ scratch), then pages from what is left.
 
     Give ``kv_memory_bytes`` (the device budget for the whole cache) or ``num_pages``
@@ -57,6 +59,10 @@ def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = N
 
     ``handoff_bytes`` (a P/D server's ``--pd-handoff-memory-gb``) is taken off the budget
     after the slots: the pages get only what is left.
+
+    ``num_speculative_tokens`` (``k``): the KDA journal of speculative decoding
+    (``model.k3.journal_shapes``, an entry of ``k`` drafts per request slot) is paid before the
+    pages too, like the slots.
     """
     if dp < 1 or dcp < 1:
         raise ValueError(f"dp and dcp must be >= 1, got {dp}, {dcp}")
@@ -78,7 +84,14 @@ def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = N
     if handoff_bytes < 0:
         raise ValueError(f"handoff_bytes must be >= 0, got {handoff_bytes}")
     slot_bytes = num_slots * bytes_per_slot
-    fixed = slot_bytes + handoff_bytes  # paid before any page
+    journal_bytes = 0
+    if num_speculative_tokens:
+        from ....model.k3 import journal_shapes
+
+        entries = num_slots - dp - snap
+        journal_bytes = sum(int(np.prod(sh)) * jnp.dtype(d).itemsize
+                            for sh, d in journal_shapes(cfg, entries, num_speculative_tokens, dtype))
+    fixed = slot_bytes + handoff_bytes + journal_bytes  # paid before any page
 
     if num_pages is not None:
         if num_pages < blocks:
@@ -110,4 +123,5 @@ def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = N
                      bytes_per_page=bytes_per_page, bytes_per_slot=bytes_per_slot, total_bytes=total,
                      max_tokens_in_kv=int(num_pages) * int(page_size),
                      max_tokens_per_request=int(num_pages) // dp * int(page_size), max_concurrent_slots=num_slots - dp - snap,
-                     dp=dp, dcp=dcp, snapshot_slots=snap, handoff_bytes=int(handoff_bytes))
+                     dp=dp, dcp=dcp, snapshot_slots=snap, handoff_bytes=int(handoff_bytes),
+                     journal_bytes=journal_bytes)

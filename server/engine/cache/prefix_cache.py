@@ -259,7 +259,8 @@ class PrefixCache:
         for i, row in enumerate(rows):
             req = row.req
             first = (row.start // u + 1) * u
-            ends = range(first, row.start + row.num_tokens + 1, u)
+            # a speculative row's drafts are not committed: no snapshot may cover them
+            ends = range(first, row.start + row.num_tokens - len(getattr(row, "drafts", ())) + 1, u)
             bounds = [e for e in ends if self.is_boundary(req, e)]
             want += [(0, -e, i, e, False) for e in bounds]
             if self.output_end:

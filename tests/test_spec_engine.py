@@ -1,0 +1,187 @@
+"""The engine with speculative decoding against the same engine without it: the same tokens.
+
+Random weights make a weight-free drafter's natural acceptance near zero, so most tests use an
+oracle drafter (test code only, never a serving option): it proposes the tokens plain decoding
+emitted, with wrong tokens injected at chosen output positions — so rows accept every length
+from 0 to k, and a wrong fold, a wrong rollback or a stop inside a block shows as a different
+token. Checked: greedy on two K3 models and Kimi Linear; seeded sampling with penalties and
+``min_new_tokens`` (same keys, so the same tokens); stop ids and ``max_new_tokens`` inside a
+block; prefix caching (a second request resumes from the first one's cache); preemption; the
+n-gram and suffix drafters on prompts that repeat; nothing leaks.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _util import load_case
+from k3serve.server.engine.engine import Engine
+from k3serve.server.engine.sampling_params import SamplingParams
+
+K = 4
+
+
+class OracleDrafter:
+    """Proposes ``truth[prompt]``'s next tokens; output positions in ``wrong`` get a wrong token."""
+
+    def __init__(self, truth: dict, vocab: int, wrong=lambda pos: pos % 5 == 3):
+        self.truth, self.vocab, self.wrong = truth, vocab, wrong
+        self.finished = []
+
+    def propose(self, req, max_tokens):
+        seq = self.truth[tuple(req.prompt)]
+        at = len(req.output)
+        out = list(seq[at:at + max_tokens])
+        return [(t + 1) % self.vocab if self.wrong(at + j) else t for j, t in enumerate(out)]
+
+    def finish(self, req, keep=True):
+        self.finished.append(req.rid)
+
+
+def _run(model, prompts, params, spec=None, drafter=None, **kw):
+    # no warm-up: only the buckets a test uses are compiled
+    args = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=160, page_size=16, warmup=False,
+                bucket_growth=16)
+    args.update(kw)
+    e = Engine(model, speculative=spec, drafter=drafter, **args)
+    ids = [e.add_request(p, params[i] if isinstance(params, list) else params) for i, p in enumerate(prompts)]
+    out, steps = {}, 0
+    while e.has_unfinished():
+        steps += 1
+        assert steps < 400
+        for o in e.step():
+            if o.finished:
+                out[o.rid] = (o.token_ids, o.finish_reason, o.matched_stop)
+    e.check_invariants()
+    assert e.cache_mgr.num_free_slots == e.capacity_plan.max_concurrent_slots
+    return [out[i] for i in ids], e
+
+
+def _prompts(V, seed=0):
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, V, 9).tolist()
+    return [base * 3, rng.integers(0, V, 21).tolist(), base[:4] * 5 + [1, 2]]
+
+
+@pytest.mark.parametrize("case", ["k3-tiny-a", "kimi-linear-tiny"])
+def test_greedy_oracle_with_wrong_tokens_equals_plain(case):
+    model = load_case(case)
+    V = model.config.vocab_size
+    prompts = _prompts(V)
+    params = SamplingParams(max_new_tokens=20, temperature=0.0)
+    plain, _ = _run(model, prompts, params)
+    drafter = OracleDrafter({tuple(p): o[0] for p, o in zip(prompts, plain)}, V)
+    got, e = _run(model, prompts, params, spec={"num_speculative_tokens": K}, drafter=drafter)
+    assert got == plain
+    counts = e.stats()["spec_accept_counts"]
+    assert sum(counts) > 0 and counts[K] > 0 and sum(counts[:K]) > 0, counts  # full blocks and rejections
+    assert e.num_steps < 0.6 * 20 * len(prompts)  # fewer steps than one token a step
+    assert sorted(drafter.finished) == sorted(e_rid for e_rid in drafter.finished)
+
+
+def test_sampled_with_penalties_and_stops_inside_blocks():
+    model = load_case("k3-tiny-b")
+    V = model.config.vocab_size
+    prompts = _prompts(V, seed=1)
+    params = [SamplingParams(max_new_tokens=18, temperature=0.9, top_p=0.9, seed=7, frequency_penalty=0.5,
+                             presence_penalty=0.3, repetition_penalty=1.2, min_new_tokens=3),
+              SamplingParams(max_new_tokens=13, temperature=0.7, seed=11),
+              SamplingParams(max_new_tokens=18, temperature=0.0)]
+    plain, _ = _run(model, prompts, params)
+    # a stop id plain greedy decoding emits mid-way, on a fourth request (the same prompt as the
+    # third): the speculative run must stop at the same token
+    prompts.append(prompts[2] + [])
+    params.append(SamplingParams(max_new_tokens=18, temperature=0.0, stop_token_ids=[plain[2][0][6]]))
+    plain, _ = _run(model, prompts, params)
+    assert plain[3][1] == "stop" and len(plain[3][0]) <= 7
+    drafter = OracleDrafter({tuple(p): o[0] + [0] * K for p, o in zip(prompts, plain)}, V,
+                            wrong=lambda pos: pos % 7 == 2)
+    got, e = _run(model, prompts, params, spec={"num_speculative_tokens": K}, drafter=drafter)
+    assert got == plain
+    assert e.stats()["spec_accepted_tokens"] > 0
+    assert [len(g[0]) for g in got] == [len(r[0]) for r in plain]  # max_new_tokens held inside blocks
+
+
+def test_prefix_cache_and_preemption():
+    model = load_case("k3-tiny-a")
+    V = model.config.vocab_size
+    rng = np.random.default_rng(3)
+    shared = rng.integers(0, V, 40).tolist()
+    prompts = [shared + [1, 2, 3], shared + [4, 5], rng.integers(0, V, 30).tolist(), shared + [6]]
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    # 11 pages of 16 for four requests of up to 67 tokens (5 pages each, 2 shared): someone is preempted
+    kw = dict(num_pages=11, prefix_unit=16)
+    plain, e0 = _run(model, prompts, params, **kw)
+    drafter = OracleDrafter({tuple(p): o[0] for p, o in zip(prompts, plain)}, V)
+    got, e = _run(model, prompts, params, spec={"num_speculative_tokens": K}, drafter=drafter, **kw)
+    assert got == plain
+    st = e.stats()
+    assert st["num_preemptions"] > 0 and st["spec_accepted_tokens"] > 0
+    assert st["prefix_hits"] > 0
+
+
+def test_weight_free_drafters_equal_plain():
+    """n-gram on prompts that repeat; suffix decoding on a request whose tenant ran the same
+    prompt before (its output is in the tenant's trie: an agentic replay)."""
+    model = load_case("k3-tiny-a")
+    V = model.config.vocab_size
+    prompts = _prompts(V, seed=2)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0)
+    plain, _ = _run(model, prompts, params)
+    got, e = _run(model, prompts, params, spec={"method": "ngram", "num_speculative_tokens": K})
+    assert got == plain
+    assert e.stats()["spec_draft_tokens"] > 0  # the repeating prompts gave drafts
+    e = Engine(model, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=160, page_size=16, warmup=False,
+               bucket_growth=16, speculative={"method": "suffix", "num_speculative_tokens": K})
+    for turn in range(2):
+        rid = e.add_request(prompts[1], params, cache_salt="tenant-a")
+        while e.has_unfinished():
+            for o in e.step():
+                if o.finished:
+                    assert o.rid == rid and o.token_ids == plain[1][0]
+    assert e.stats()["spec_accepted_tokens"] >= 10  # the second turn replays the first one's output
+    e.check_invariants()
+
+
+def test_bad_settings_are_refused():
+    model = load_case("k3-tiny-a")
+    with pytest.raises(ValueError, match="unknown speculative method"):
+        Engine(model, speculative={"method": "eagle", "num_speculative_tokens": 2}, warmup=False)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        Engine(model, speculative={"method": "ngram", "num_speculative_tokens": 0}, warmup=False)
+
+
+def test_grpc_golden_with_speculation():
+    """Over gRPC (the smg stubs): the golden K3 model's greedy tokens with an oracle drafter that
+    injects wrong tokens; GenerateComplete's draft counts, GetServerInfo's speculative settings,
+    GetLoads' acceptance, the Prometheus histogram."""
+    from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+    from _util import collect_generate, golden
+    from test_grpc_server import CASE, Served, _req
+
+    g = golden(CASE)
+    prompts = [list(map(int, g[f"input_ids_{i}"])) for i in range(3)]
+    expect = [list(map(int, g[f"gen_tokens_{i}"])) for i in range(3)]
+    model = load_case(CASE)
+    drafter = OracleDrafter({tuple(p): e + [0] * K for p, e in zip(prompts, expect)}, model.config.vocab_size)
+    eng = Engine(model, max_num_seqs=4, max_num_batched_tokens=40, chunk_size=16, page_size=16, max_model_len=128,
+                 num_pages=48, warmup=False, bucket_growth=16,
+                 speculative={"method": "oracle-test", "num_speculative_tokens": K}, drafter=drafter)
+    s = Served(eng)
+    try:
+        for i in range(3):
+            chunks, done = collect_generate(s.stub, _req(prompts[i], rid=f"s{i}"))
+            assert list(done.output_ids) == expect[i] == [t for c in chunks for t in c.token_ids]
+            assert done.spec_draft_tokens > 0 and 0 < done.spec_accepted_tokens <= done.spec_draft_tokens
+        si = s.stub.GetServerInfo(pb.GetServerInfoRequest())
+        assert si.server_args["speculative_algorithm"] == "oracle-test"
+        assert si.server_args["speculative_num_draft_tokens"] == K
+        spec = s.stub.GetLoads(pb.GetLoadsRequest()).loads[0].speculative
+        assert 1.5 < spec.accept_length <= K + 1 and 0.3 < spec.accept_rate <= 1.0
+        from prometheus_client import generate_latest
+
+        text = generate_latest(s.metrics.registry).decode()
+        assert f'k3serve_spec_accepted_drafts_bucket{{le="{K}"}}' in text and "k3serve_spec_draft_tokens_total" in text
+    finally:
+        s.close()
