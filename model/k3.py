@@ -292,8 +292,9 @@ class KimiLM(nnx.Module):
         # scattered after it. Under a recipe it runs per rank on the rank's slots and heads
         # (``StepParallel.kda_layer_on_pools``).
         fused_kda = bool(kda_idx) and cfg.kernels != "reference" and ops.kda_kernels_fit(cfg.kda_head_dim, cfg.kernels)
-        if journal is not None and (fused_kda or par is not None):
-            raise NotImplementedError("speculative decoding runs on the reference KDA path without a recipe for now")
+        if journal is not None and (fused_kda or (par is not None and par.dp > 1)):
+            raise NotImplementedError("speculative decoding runs on the reference KDA path, without attention DP, "
+                                      "for now")
         if kda_idx and not fused_kda:
             # the conv pool's channels are stored rank-major when the heads are split over
             # ranks (``StepParallel.conv_groups``); the reference core reads q | k | v
@@ -481,6 +482,9 @@ class KimiLM(nnx.Module):
                 at = jnp.where(fb.jrow >= 0, fb.jrow, journal[0].shape[1])
                 journal = tuple(pool.at[:, at].set(carry[n].astype(pool.dtype), mode="drop")
                                 for pool, n in zip(journal, JOURNAL_KEYS))
+                if par is not None:  # out in the layout it came in (the AOT programs fix it)
+                    journal = tuple(jax.lax.with_sharding_constraint(v, sh)
+                                    for v, sh in zip(journal, par.journal_shardings(H_kda)))
         p, bank = carry["p"], carry.get("bank")
         if not all_logits and not capture:  # only the tokens that are sampled
             at = jnp.maximum(fb.logits_idx.reshape(-1), 0)

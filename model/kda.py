@@ -141,9 +141,7 @@ class KDA(nnx.Module):
         core = functools.partial(_flat_core, H=H, dk=dk, P=P, drafts=drafts)
         args = (raw, conv_w, g, beta, conv_rows, state_rows, fb.tok_row, fb.cu_q_lens, fb.q_lens, fb.start_pos,
                 fb.snap_row, fb.snap_len, fb.decode)
-        if par is not None and drafts:
-            raise NotImplementedError("speculative decoding does not run under a recipe yet")
-        o, new = core(*args) if par is None else par.kda_core(core, *args[:-1])
+        o, new = core(*args) if par is None else par.kda_core(core, *args)
         del T
         return self.output(x, o), new
 

@@ -13,7 +13,8 @@ Subcommands:
              (server/client/replay.py); ``bench offline``: engine throughput at several
              concurrencies; ``bench prefix``: the agentic trace with prefix caching on and off;
              ``bench host``: host time per decode step at several context lengths;
-             ``bench step``: decode step time by row count and the memory roofline
+             ``bench step``: decode step time by row count and the memory roofline;
+             ``bench spec``: speculative decoding against plain (imposed acceptance, drafters)
 
 Compiled programs are cached on disk (``$K3SERVE_CACHE/jax``, default
 ``~/.cache/k3serve/jax``) so a second start skips XLA compilation.
@@ -193,6 +194,10 @@ def cmd_bench(args) -> int:
         from .bench import step as bench_step
 
         return bench_step.main(rest[1:])
+    if rest and rest[0] == "spec":
+        from .bench import spec as bench_spec
+
+        return bench_spec.main(rest[1:])
     from .client.replay import bench_main
 
     return bench_main(rest)
@@ -455,6 +460,7 @@ BENCH_USAGE = """usage: k3serve bench --server HOST:PORT --trace T.jsonl [--conc
        k3serve bench offline [--model DIR|demo] [--concurrency 1,8,32] [--modes async,sync] ...
        k3serve bench prefix [--model DIR|demo] [--sessions 8] [--max-num-seqs 4] ...
        k3serve bench loop [--model DIR] [--streams 8] [--probes 20]   (submit/abort latency in steps)
+       k3serve bench spec [--model DIR|demo] [--concurrency 1,8] [--k 4] [--rates 0,0.5,0.8,1]
        k3serve bench host [--model DIR|demo] [--contexts 1024,16384] [--rows 4] [--penalties] [--stop] ...
        k3serve bench step [--model DIR|demo] [--rows 1,8,32] [--context 128]   (decode step time, roofline)
        k3serve bench pd [--model DIR|demo] [--sessions 8] ...   (P/D pair vs unified, same trace)

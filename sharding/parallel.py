@@ -107,6 +107,14 @@ class StepParallel:
                 "kda_conv": P(None, self.rows_axis, None, h),
                 "mla_kv": P(None, self._ax(self.page_axes), None, None)}
 
+    def journal_shardings(self, kda_heads: int) -> tuple:
+        """NamedSharding of each part of the speculative KDA journal (``model.k3.journal_shapes``:
+        keys, decays, deltas ``[nK, J, d, H, dk]``, pre-conv rows ``[nK, J, d, 3P]`` in q|k|v
+        order): split over the KDA heads like the state when the state is."""
+        h = self._state_heads(kda_heads)
+        per_head = NamedSharding(self.mesh, P(None, self.rows_axis, None, h, None))
+        return per_head, per_head, per_head, NamedSharding(self.mesh, P(None, self.rows_axis, None, h))
+
     def cache_shardings(self, kda_heads: int) -> dict:
         """NamedSharding of each cache array (``kda_state``, ``kda_conv``, ``mla_kv``)."""
         return {k: NamedSharding(self.mesh, v) for k, v in self.cache_specs(kda_heads).items()}
@@ -188,13 +196,16 @@ class StepParallel:
 
     # ------------------------------------------------------------------ KDA core by DP group
     def kda_core(self, core, raw, conv_w, g, beta, conv_rows, state_rows, tok_row, cu, q_lens, start_pos, snap_row,
-                 snap_len):
+                 snap_len, decode=None):
         """``core`` (``model.kda._flat_core``) per DP group: each group's tokens, rows and
         snapshot entries in their own block (``model.step``), so the ragged loops run on one
-        group's layout. Without DP the step's partitioner places it."""
+        group's layout. Without DP the step's partitioner places it (speculative rows too:
+        ``decode``, the row kinds)."""
         args = (raw, conv_w, g, beta, conv_rows, state_rows, tok_row, cu, q_lens, start_pos, snap_row, snap_len)
         if self.dp == 1:
-            return core(*args)
+            return core(*args, decode)
+        if decode is not None:
+            raise NotImplementedError("speculative decoding does not run under attention DP yet")
         d = P("dp")
         specs = (d, P(), d, d, d, d, d, d, d, d, d, d)
         return jax.shard_map(core, mesh=self.mesh, in_specs=specs, out_specs=(d, (d, d, d, d)),

@@ -185,3 +185,50 @@ def test_grpc_golden_with_speculation():
         assert f'k3serve_spec_accepted_drafts_bucket{{le="{K}"}}' in text and "k3serve_spec_draft_tokens_total" in text
     finally:
         s.close()
+
+
+def test_pd_handoff_into_a_speculative_decode():
+    """A plain prefill engine hands its requests over to a speculative decode engine: the tokens
+    equal one unified plain engine's (the decode's first verify rows start from the imported
+    state; nothing is pending to fold at a handoff because the prefill leg never speculates)."""
+    from _util import run_to_end
+    from k3serve.server.engine.warm_programs import warm_small_programs
+
+    model = load_case("k3-tiny-a")
+    V = model.config.vocab_size
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=40, chunk_size=16, page_size=16, max_model_len=128,
+              num_pages=48, warmup=False, bucket_growth=16)
+    prompts = _prompts(V, seed=4)
+    params = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)
+    plain, _ = _run(model, prompts, params)
+    pre = Engine(model, pd_role="prefill", **kw)
+    drafter = OracleDrafter({tuple(p): o[0] + [0] * K for p, o in zip(prompts, plain)}, V)
+    dec = Engine(model, pd_role="decode", speculative={"num_speculative_tokens": K}, drafter=drafter, **kw)
+    for e in (pre, dec):
+        warm_small_programs(e, e.pd_role)
+    rids = [pre.admit(pre.validate(p, params), params, rid=f"p{i}", export=True) for i, p in enumerate(prompts)]
+    outs = run_to_end(pre, rids)
+    drids = [dec.admit_prefilled(dec.validate(p, params), params, o.handoff, rid=f"d{i}")
+             for i, (p, o) in enumerate(zip(prompts, outs))]
+    got = run_to_end(dec, drids)
+    assert [o.token_ids for o in got] == [p[0] for p in plain]
+    assert dec.stats()["spec_accepted_tokens"] > 0
+    for e in (pre, dec):
+        e.check_invariants()
+        assert e.cache_mgr.num_free_slots == e.capacity_plan.max_concurrent_slots
+
+
+def test_under_recipes():
+    """EP2 x TP2 and DCP2 x TP2 on 4 virtual devices (a child process): speculation equals plain
+    decoding under the same recipe, which equals one device."""
+    import os
+
+    from _util import run_children
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    recipes = ["ep=2,tp=2", "dcp=2,tp=2"]
+    res = run_children(os.path.join(here, "_spec_recipe_check.py"), [], [{"case": "k3-tiny-a", "recipes": recipes}],
+                       4, timeout=1200)
+    for r in recipes:
+        assert res[r]["equal"] and res[r]["accepted"] > 0, (r, res[r])
+    assert res[recipes[0]]["one_device_equal"]

@@ -76,8 +76,8 @@ class Engine:
         requests run), ...the method's options}``. Decode rows carry up to ``k`` drafts, verified
         in the step; emitted tokens are exactly those of plain decoding (greedy, and seeded
         sampling too). ``drafter`` (tests): an object with ``propose(req, max_tokens)`` and
-        ``finish(req, keep)`` used instead of the method's. For now speculation runs without a
-        recipe, on the reference kernels, with synchronous scheduling."""
+        ``finish(req, keep)`` used instead of the method's. For now speculation runs on the
+        reference kernels, under recipes without attention DP, with synchronous scheduling."""
         from .dispatch import LocalDispatch
 
         cfg = model.config
@@ -91,9 +91,13 @@ class Engine:
                 drafter = make_drafter(speculative)
             elif spec_k < 1:
                 raise ValueError(f"num_speculative_tokens must be >= 1, got {spec_k}")
-            if recipe is not None or cfg.kernels != "reference":
-                raise ValueError("speculative decoding runs on the reference kernels without a recipe for now "
-                                 f"(recipe {recipe!r}, kernels {cfg.kernels!r})")
+            if cfg.kernels != "reference":
+                raise ValueError(f"speculative decoding runs on the reference kernels for now (kernels {cfg.kernels!r})")
+            if recipe is not None:
+                from ...sharding.recipe import Recipe
+
+                if Recipe.parse(recipe).dp > 1:
+                    raise ValueError("speculative decoding does not run under attention DP (dp > 1) yet")
             async_scheduling = False  # the drafts need the last token on the host
         self.drafter = drafter if spec_k else None
         self.spec_k = spec_k

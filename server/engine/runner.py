@@ -192,16 +192,21 @@ class Runner:
         self.journal = None
         self._journal_row: dict[str, int] = {}
         if k:
-            if par is not None:
-                raise NotImplementedError("speculative decoding does not run under a recipe yet")
+            if par is not None and par.dp > 1:
+                raise NotImplementedError("speculative decoding does not run under attention DP yet")
             from ...model.k3 import journal_shapes
 
             entries = cache_mgr.capacity_plan.max_concurrent_slots
             self._journal_free = list(range(entries - 1, -1, -1))
             shapes = journal_shapes(model.config, entries, k, model.dtype)
+            H = model.config.kda_num_heads
+            where = (par.journal_shardings(H) if par is not None
+                     else (jax.tree.leaves(cache_mgr.device_cache)[0].sharding,) * len(shapes))
             if abstract:
-                dev = jax.tree.leaves(cache_mgr.device_cache)[0].sharding
-                self.journal = tuple(jax.ShapeDtypeStruct(sh, d, sharding=dev) for sh, d in shapes)
+                self.journal = tuple(jax.ShapeDtypeStruct(sh, d, sharding=w) for (sh, d), w in zip(shapes, where))
+            elif par is not None:
+                self.journal = tuple(jax.jit(functools.partial(jnp.zeros, sh, d), out_shardings=w)()
+                                     for (sh, d), w in zip(shapes, where))
             else:
                 self.journal = tuple(jnp.zeros(sh, d) for sh, d in shapes)
         # token table: row 0 for rows that use none, then one per request that can run at once
@@ -259,6 +264,8 @@ class Runner:
                 # the sampler's view of the drafts: each row's tokens 1 .. k, and the suppression per position
                 at = jnp.minimum(col["first_tok"][:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :], lay.T - 1)
                 spec = jnp.concatenate([ids[at], m["supp"]], axis=1)
+                if par is not None:
+                    cache = par.pin_cache(cache)
                 return logits, cache, rows, spec, journal
             logits, cache = nnx.merge(graphdef, params).step(fb, cache, par=par, unroll=self.unroll_layers)
             if par is not None:  # the cache goes out in the layout it came in (warm-up's AOT programs fix it)

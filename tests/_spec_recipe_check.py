@@ -1,0 +1,54 @@
+"""Child-process body for ``test_spec_engine.py`` (4 virtual CPU devices): greedy decoding with
+speculation under a recipe against the same recipe without it, an oracle drafter injecting
+wrong tokens. Prints one JSON line: per recipe, tokens equal, drafts verified and accepted."""
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+from _util import load_case
+from k3serve.server.engine.engine import Engine
+from k3serve.server.engine.sampling_params import SamplingParams
+from test_spec_engine import K, OracleDrafter, _prompts
+
+
+def run(model, recipe, prompts, params, **kw):
+    from k3serve.sharding.recipe import Recipe
+
+    n = Recipe.parse(recipe).devices if recipe else 1
+    e = Engine(model, recipe=recipe, devices=jax.devices()[:n], max_num_seqs=4, max_num_batched_tokens=64,
+               max_model_len=160, page_size=16, warmup=False, bucket_growth=16, **kw)
+    rids = [e.add_request(p, params) for p in prompts]
+    out = {}
+    for _ in range(400):
+        if not e.has_unfinished():
+            break
+        for o in e.step():
+            if o.finished:
+                out[o.rid] = o.token_ids
+    e.check_invariants()
+    return [out[r] for r in rids], e.stats()
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    model = load_case(spec["case"])
+    V = model.config.vocab_size
+    prompts = _prompts(V, seed=5)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    res = {}
+    for recipe in spec["recipes"]:
+        plain, _ = run(model, recipe, prompts, params)
+        drafter = OracleDrafter({tuple(p): o + [0] * K for p, o in zip(prompts, plain)}, V)
+        got, st = run(model, recipe, prompts, params, speculative={"num_speculative_tokens": K}, drafter=drafter)
+        one, _ = run(model, None, prompts, params) if recipe == spec["recipes"][0] else (None, None)
+        res[recipe] = {"equal": got == plain, "drafts": st["spec_draft_tokens"], "accepted": st["spec_accepted_tokens"],
+                       "one_device_equal": None if one is None else one == plain}
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
