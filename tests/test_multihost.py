@@ -5,7 +5,8 @@ prefix caching on (a second turn hits the cache; a prefix evicted to the host-DR
 kept per process, is reloaded); GetServerInfo reports the deployment;
 SIGTERM to the leader stops both with exit 0; SIGKILL of the follower during a decode gives
 the client UNAVAILABLE and the leader exits non-zero within 30 s, leaving no process. A
-follower that compiles 35 s after the leader still joins (gloo's 30 s setup deadline).
+follower that compiles 35 s after the leader still joins (gloo's 30 s setup deadline). With
+speculative decoding (suffix drafts) the tokens equal one device's too.
 
 Each cluster loads and compiles its programs in two processes on this machine's cores
 (about a minute), so the module starts two clusters in all.
@@ -166,6 +167,30 @@ def test_dcp8_sp2_tokens_prefix_host_tier_info_and_sigterm(ckpt, reference, tmp_
         c.procs[0].send_signal(signal.SIGTERM)
         assert c.wait_exit(60) == [0, 0], f"{c.log(0)}\n{c.log(1)}"
         assert "every follower stopped" in c.log(0)
+    finally:
+        c.close()
+
+
+def test_speculative_suffix_across_two_processes(ckpt, reference, tmp_path):
+    """Speculative decoding (suffix, k = 3) on EP4 x TP2 x DCP8 over two processes: the second
+    request replays the first one's answer from the tenant's trie, so its drafts are accepted;
+    the tokens equal one device's (the follower replays the leader's verify steps and folds)."""
+    c = Cluster(ckpt, "ep=4,tp=2,dcp=8", tmp_path, "--speculative", "suffix", "--num-speculative-tokens", "3")
+    try:
+        c.wait_serving()
+        x = [(i * 11 + 2) % 500 for i in range(13)]
+        want = reference(x, 16)
+        accepted = []
+        for turn in range(2):
+            done = None
+            for r in c.generate(x, 16, f"spec-{turn}"):
+                if r.HasField("complete"):
+                    done = r.complete
+            assert list(done.output_ids) == want
+            accepted.append(done.spec_accepted_tokens)
+        assert accepted[1] >= 8, accepted
+        info = c.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).server_args
+        assert info["speculative_algorithm"] == "suffix" and info["speculative_num_draft_tokens"] == 3
     finally:
         c.close()
 
