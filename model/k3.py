@@ -291,10 +291,12 @@ class KimiLM(nnx.Module):
         # switches (``ops.kda_layer_on_pools``): nothing is gathered before the stack or
         # scattered after it. Under a recipe it runs per rank on the rank's slots and heads
         # (``StepParallel.kda_layer_on_pools``).
-        fused_kda = bool(kda_idx) and cfg.kernels != "reference" and ops.kda_kernels_fit(cfg.kda_head_dim, cfg.kernels)
-        if journal is not None and (fused_kda or (par is not None and par.dp > 1)):
-            raise NotImplementedError("speculative decoding runs on the reference KDA path, without attention DP, "
-                                      "for now")
+        # speculative steps run KDA on the reference path (the Pallas decode kernel has no record
+        # mode yet); MLA and the experts keep the backend's kernels
+        fused_kda = (bool(kda_idx) and cfg.kernels != "reference" and ops.kda_kernels_fit(cfg.kda_head_dim, cfg.kernels)
+                     and journal is None)
+        if journal is not None and par is not None and par.dp > 1:
+            raise NotImplementedError("speculative decoding does not run under attention DP yet")
         if kda_idx and not fused_kda:
             # the conv pool's channels are stored rank-major when the heads are split over
             # ranks (``StepParallel.conv_groups``); the reference core reads q | k | v

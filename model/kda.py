@@ -140,7 +140,7 @@ class KDA(nnx.Module):
             aux["kda_beta"] = beta
         core = functools.partial(_flat_core, H=H, dk=dk, P=P, drafts=drafts)
         args = (raw, conv_w, g, beta, conv_rows, state_rows, fb.tok_row, fb.cu_q_lens, fb.q_lens, fb.start_pos,
-                fb.snap_row, fb.snap_len, fb.decode)
+                fb.snap_row, fb.snap_len, fb.decode if drafts else None)  # without drafts a decode row is one token
         o, new = core(*args) if par is None else par.kda_core(core, *args)
         del T
         return self.output(x, o), new

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from .api.engine_args import add_prefix_flags, prefix_kwargs
+from .api.engine_args import add_prefix_flags, add_spec_flags, prefix_kwargs, spec_kwargs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-memory-gb", type=float, default=None)
     p.add_argument("--num-pages", type=int, default=None)
     add_prefix_flags(p)
+    add_spec_flags(p)
     p.add_argument("--role", choices=["unified", "prefill", "decode"], default="unified",
                    help="serve's P/D role: a prefill server also compiles its exports' cut programs, a decode "
                         "server its imports' loads (default unified)")
@@ -96,7 +97,7 @@ def engine_kwargs(args) -> dict:
     return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 chunk_size=args.chunk_size, page_size=args.page_size, max_model_len=args.max_model_len,
                 bucket_growth=args.bucket_growth, pd_role=None if args.role == "unified" else args.role,
-                pd_handoff_bytes=pd_handoff_bytes(args), **prefix_kwargs(args), **kv)
+                pd_handoff_bytes=pd_handoff_bytes(args), **prefix_kwargs(args), **spec_kwargs(args), **kv)
 
 
 def _failed(name: str, error: str, seconds: float = 0.0) -> dict:
@@ -142,7 +143,9 @@ def run(args, log=print) -> dict:
     from .engine.aot_build import decode_bucket, decode_costs, serving_programs
 
     weights = tpu_aot.shard_bytes(engine.model.params)
-    caches = tpu_aot.shard_bytes((engine.cache_mgr.device_cache, engine.runner.table))
+    # speculative decoding's KDA journal lives beside the cache (counted with it)
+    journal = tpu_aot.shard_bytes(engine.runner.journal) if engine.runner.journal is not None else 0
+    caches = tpu_aot.shard_bytes((engine.cache_mgr.device_cache, engine.runner.table)) + journal
     temps = {}
     import re
 
@@ -160,7 +163,8 @@ def run(args, log=print) -> dict:
         if temp is not None:
             temps[built.name] = temp
     worst = max(temps, key=temps.get) if temps else None
-    rep["compiler_parts"] = {"weights": weights, "caches": caches, "temp": temps.get(worst), "temp_program": worst}
+    rep["compiler_parts"] = {"weights": weights, "caches": caches, "temp": temps.get(worst), "temp_program": worst,
+                             "journal": journal}
     rep["per_device_bytes"]["compiler"] = weights + caches + (temps.get(worst) or 0)
     plan_cap = engine.capacity_plan
     T = decode_bucket(engine)

@@ -66,8 +66,9 @@ def format_report(rep: dict) -> str:
             out.append(f"    error: {p['error'][:2000]}")
     pd, hbm = rep["per_device_bytes"], rep["hbm_per_device"]
     parts = rep.get("compiler_parts") or {}
+    journal = f" with the speculative journal's {_gib(parts['journal'])}" if parts.get("journal") else ""
     out.append(f"per device: compiler {_gib(pd['compiler'])} (weights {_gib(parts.get('weights'))}, caches "
-               f"{_gib(parts.get('caches'))}, largest temporaries {_gib(parts.get('temp'))} in "
+               f"{_gib(parts.get('caches'))}{journal}, largest temporaries {_gib(parts.get('temp'))} in "
                f"{parts.get('temp_program') or '-'}); planner {_gib(pd['plan'])}{_plan_parts(rep)}; HBM "
                f"{_gib(hbm)} ({rep.get('hbm_source', '')})")
     fits = rep.get("fits")

@@ -185,3 +185,22 @@ def test_a_conds_collectives_count_as_its_larger_branch():
         line.format(n="f", op="ragged-all-to-all", where="cond/branch_0_fun/"),
     ])
     assert tpu_aot.collective_counts(text) == {"all-gather": 1, "ragged-all-to-all": 2}
+
+
+def test_speculative_steps_compile_with_the_journal(small_config, tmp_path):
+    """Speculation (k = 3) under EP4 x TP2 x DCP8 with the Pallas kernels (KDA on the reference
+    path while speculating): every step and both samplers of each row count compile for tpu7x,
+    and the journal is counted per device (split over the KDA heads: its full size / 8)."""
+    from k3serve.model.config import K3Config
+    from k3serve.model.k3 import journal_shapes
+
+    rc, rep = _compile(small_config, tmp_path, "--recipe", "ep=4,tp=2,dcp=8", *_SMALL_ENGINE, "--only",
+                       "^(step|sample)", "--speculative", "ngram", "--num-speculative-tokens", "3", kernels="pallas")
+    assert rc == 0, [p["error"] for p in rep["programs"] if not p["ok"]]
+    names = [p["name"] for p in rep["programs"]]
+    for want in ("step[T=1]", "step[T=4]", "step[T=16]", "sample[R=4]", "sample[R=4,table]"):
+        assert want in names, names
+    cfg = K3Config.from_json_file(small_config)
+    full = sum(int(__import__("numpy").prod(s)) * __import__("numpy").dtype(d).itemsize
+               for s, d in journal_shapes(cfg, 4, 3, "float32"))
+    assert rep["compiler_parts"]["journal"] == full // 8

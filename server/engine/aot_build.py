@@ -107,6 +107,12 @@ def serving_programs(engine, context=contextlib.nullcontext, want=lambda name: T
         if src is None:
             yield Built(f"sample[R={R}]", None, 0.0, "not lowered: its step program did not lower")
             continue
+        if run.journal is not None:  # speculative: a sampler with and one without per-position table rows
+            logits, _, rows, spec, _ = src.out_info
+            for u in (False, True):
+                yield _attempt(f"sample[R={R}{',table' if u else ''}]",
+                               lambda u=u: run._sample_spec_jit[u].lower(logits, rows, spec, run.table), context)[0]
+            continue
         logits, _, rows = src.out_info
         yield _attempt(f"sample[R={R}]", lambda: run._sample_jit.lower(logits, rows, run.table), context)[0]
     progs = [("table_row", lambda: run._set_row.lower(run.table, _sds(()), _sds((run.vocab_size,))))]

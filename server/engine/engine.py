@@ -76,8 +76,9 @@ class Engine:
         requests run), ...the method's options}``. Decode rows carry up to ``k`` drafts, verified
         in the step; emitted tokens are exactly those of plain decoding (greedy, and seeded
         sampling too). ``drafter`` (tests): an object with ``propose(req, max_tokens)`` and
-        ``finish(req, keep)`` used instead of the method's. For now speculation runs on the
-        reference kernels, under recipes without attention DP, with synchronous scheduling."""
+        ``finish(req, keep)`` used instead of the method's. For now speculation runs under recipes
+        without attention DP, with synchronous scheduling; its KDA layers take the reference path
+        (the Pallas KDA decode kernel has no record mode yet), MLA and the experts the backend's."""
         from .dispatch import LocalDispatch
 
         cfg = model.config
@@ -91,8 +92,6 @@ class Engine:
                 drafter = make_drafter(speculative)
             elif spec_k < 1:
                 raise ValueError(f"num_speculative_tokens must be >= 1, got {spec_k}")
-            if cfg.kernels != "reference":
-                raise ValueError(f"speculative decoding runs on the reference kernels for now (kernels {cfg.kernels!r})")
             if recipe is not None:
                 from ...sharding.recipe import Recipe
 
