@@ -8,7 +8,6 @@ import json
 import sys
 
 import jax
-import numpy as np
 
 from _util import load_case
 from k3serve.server.engine.engine import Engine

@@ -200,7 +200,8 @@ def test_speculative_steps_compile_with_the_journal(small_config, tmp_path):
     names = [p["name"] for p in rep["programs"]]
     for want in ("step[T=1]", "step[T=4]", "step[T=16]", "sample[R=4]", "sample[R=4,table]"):
         assert want in names, names
+    import numpy as np
+
     cfg = K3Config.from_json_file(small_config)
-    full = sum(int(__import__("numpy").prod(s)) * __import__("numpy").dtype(d).itemsize
-               for s, d in journal_shapes(cfg, 4, 3, "float32"))
+    full = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in journal_shapes(cfg, 4, 3, "float32"))
     assert rep["compiler_parts"]["journal"] == full // 8

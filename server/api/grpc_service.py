@@ -382,7 +382,6 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
         st = loop.stats()
         eng = loop.engine
         args.update(max_total_num_tokens=st["max_tokens_in_kv"], **_mesh(eng), **self._disaggregation_args(),
-                    speculative_algorithm=eng.spec_method, speculative_num_draft_tokens=eng.spec_k,
                     **self.server_args)
         ps = eng.capacity_plan.page_size
         sched = {"num_pages": eng.capacity_plan.num_pages, "num_slots": eng.capacity_plan.num_slots,

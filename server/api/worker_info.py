@@ -29,11 +29,14 @@ class EnginePlan:
     dtype: str
     recipe: Any = None  # sharding.recipe.Recipe, or None: one device, no recipe
     num_processes: int = 1
+    speculative_algorithm: str | None = None  # speculative decoding's drafter, None: off
+    speculative_num_draft_tokens: int = 0
 
     @classmethod
     def planned(cls, *, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                 chunk_size: int | None, page_size: int, dtype="float32", recipe=None,
-                num_processes: int = 1) -> "EnginePlan":
+                num_processes: int = 1, speculative: str | None = None,
+                num_speculative_tokens: int = 0) -> "EnginePlan":
         """The plan of an ``Engine`` built with these arguments (``engine_args.build_engine``)."""
         from ...model.pretrained import resolve_dtype
         from ...sharding.recipe import Recipe
@@ -42,14 +45,17 @@ class EnginePlan:
                    max_num_batched_tokens=max_num_batched_tokens,
                    chunk_size=min(chunk_size or max_num_batched_tokens, max_num_batched_tokens),
                    page_size=page_size, dtype=str(resolve_dtype(dtype)),
-                   recipe=Recipe.parse(recipe) if recipe is not None else None, num_processes=num_processes)
+                   recipe=Recipe.parse(recipe) if recipe is not None else None, num_processes=num_processes,
+                   speculative_algorithm=speculative,
+                   speculative_num_draft_tokens=num_speculative_tokens if speculative else 0)
 
     @classmethod
     def from_serve_args(cls, args, num_processes: int = 1) -> "EnginePlan":
         return cls.planned(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, chunk_size=args.chunk_size,
                            page_size=args.page_size, dtype=args.dtype, recipe=args.recipe,
-                           num_processes=num_processes)
+                           num_processes=num_processes, speculative=getattr(args, "speculative", None),
+                           num_speculative_tokens=getattr(args, "num_speculative_tokens", 0))
 
     @classmethod
     def of_engine(cls, eng) -> "EnginePlan":
@@ -58,7 +64,8 @@ class EnginePlan:
         return cls(max_model_len=eng.max_model_len, max_num_seqs=s.max_num_seqs,
                    max_num_batched_tokens=s.max_num_batched_tokens, chunk_size=s.chunk_size,
                    page_size=eng.capacity_plan.page_size, dtype=str(eng.model.dtype), recipe=eng.recipe,
-                   num_processes=eng.dispatch.num_processes)
+                   num_processes=eng.dispatch.num_processes, speculative_algorithm=getattr(eng, "spec_method", None),
+                   speculative_num_draft_tokens=getattr(eng, "spec_k", 0))
 
     def server_args(self) -> dict:
         """``GetServerInfo.server_args``' limits and parallel sizes (SGLang's names)."""
@@ -70,7 +77,9 @@ class EnginePlan:
                 "max_prefill_tokens": self.max_num_batched_tokens, "chunked_prefill_size": self.chunk_size,
                 "page_size": self.page_size, "context_length": self.max_model_len, "pp_size": 1, **sizes,
                 "nnodes": self.num_processes, "num_processes": self.num_processes, "dtype": self.dtype,
-                "recipe": str(r) if r is not None else "single"}
+                "recipe": str(r) if r is not None else "single",
+                "speculative_algorithm": self.speculative_algorithm,
+                "speculative_num_draft_tokens": self.speculative_num_draft_tokens}
 
 
 def planned_disaggregation(role: str, bootstrap_port: int | None) -> dict:
