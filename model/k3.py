@@ -324,11 +324,9 @@ class KimiLM(nnx.Module):
             carry.update(conv=conv_rows, state=state_rows,
                          snap_conv=jnp.zeros((len(kda_idx), NS) + conv_rows.shape[2:], F32),
                          snap_state=jnp.zeros((len(kda_idx), NS) + state_rows.shape[2:], F32))
-            if drafts:
-                R, H, dk = fb.num_rows, cfg.kda_num_heads, cfg.kda_head_dim
-                for n, width in zip(JOURNAL_KEYS, (H * dk, H * dk, H * dk, 3 * H * dk)):
-                    shape = (len(kda_idx), R, drafts) + ((H, dk) if n != "jraw" else (width,))
-                    carry[n] = jnp.zeros(shape, F32)
+            if drafts:  # this step's journal rows, shaped as the journal's entries
+                for n, pool in zip(JOURNAL_KEYS, journal):
+                    carry[n] = jnp.zeros((len(kda_idx), fb.num_rows) + pool.shape[2:], F32)
         # routed experts stay whole stacks indexed by row inside the expert op: a slice of
         # them is a copy of the layer's experts per layer (50 MB on the 105M checkpoint);
         # the other parameters are sliced per layer

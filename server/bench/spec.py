@@ -52,7 +52,7 @@ class ImposedDrafter:
 def _engine(m, conc, prompt_len, gen_len, **kw):
     from k3serve.server.engine.engine import Engine
 
-    k = kw.get("speculative", {}).get("num_speculative_tokens", 0) if kw.get("speculative") else 0
+    k = (kw.get("speculative") or {}).get("num_speculative_tokens", 0)
     c = max(conc)
     return Engine(m, max_num_seqs=c, max_num_batched_tokens=max(256, c * (k + 1)), page_size=16,
                   max_model_len=prompt_len + gen_len + 16, async_scheduling=False, **kw)

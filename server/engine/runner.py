@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 
 from ...intmath import cdiv
+from ...kernels.kda_ragged import draft_tokens
 from ...model.step import FlatBatch, token_buckets
 from .process_barrier import wait_for_processes
 from .sampler import SamplerInputs, record_tokens, row_settings, sample, token_table_row, uses_penalties
@@ -262,8 +263,7 @@ class Runner:
                 logits, cache, journal = nnx.merge(graphdef, params).step(fb, cache, par=par,
                                                                           unroll=self.unroll_layers, journal=journal)
                 # the sampler's view of the drafts: each row's tokens 1 .. k, and the suppression per position
-                at = jnp.minimum(col["first_tok"][:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :], lay.T - 1)
-                spec = jnp.concatenate([ids[at], m["supp"]], axis=1)
+                spec = jnp.concatenate([draft_tokens(ids, fb.cu_q_lens, k), m["supp"]], axis=1)
                 if par is not None:
                     cache = par.pin_cache(cache)
                 return logits, cache, rows, spec, journal
