@@ -39,7 +39,7 @@ _HOME = os.environ.get("K3SERVE_TEST_HOME")
 if not _HOME:
     _HOME = os.environ["K3SERVE_TEST_HOME"] = tempfile.mkdtemp(prefix="k3serve-test-")
     atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
-_CACHE = enable_compile_cache(f"{_HOME}/jax", min_compile_secs=1.0)
+_CACHE = enable_compile_cache(f"{_HOME}/jax", min_compile_secs=0.0)
 
 
 @pytest.fixture(scope="session")

@@ -38,10 +38,16 @@ class OracleDrafter:
         self.finished.append(req.rid)
 
 
+# one engine shape for every k3-tiny-a run of the module (11 pages of 16: a request of the
+# prefix test is preempted), so plain and speculative programs compile once per module (the
+# session's compile cache serves the later engines)
+SHAPE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=160, page_size=16, bucket_growth=16,
+             num_pages=11, prefix_unit=16)
+
+
 def _run(model, prompts, params, spec=None, drafter=None, **kw):
     # no warm-up: only the buckets a test uses are compiled
-    args = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=160, page_size=16, warmup=False,
-                bucket_growth=16)
+    args = dict(SHAPE, warmup=False)
     args.update(kw)
     e = Engine(model, speculative=spec, drafter=drafter, **args)
     ids = [e.add_request(p, params[i] if isinstance(params, list) else params) for i, p in enumerate(prompts)]
@@ -121,11 +127,11 @@ def test_prefix_cache_and_preemption():
     shared = rng.integers(0, V, 40).tolist()
     prompts = [shared + [1, 2, 3], shared + [4, 5], rng.integers(0, V, 30).tolist(), shared + [6]]
     params = SamplingParams(max_new_tokens=24, temperature=0.0)
-    # 11 pages of 16 for four requests of up to 67 tokens (5 pages each, 2 shared): someone is preempted
-    kw = dict(num_pages=11, prefix_unit=16)
-    plain, e0 = _run(model, prompts, params, **kw)
+    # 11 pages of 16 (SHAPE) for four requests of up to 67 tokens (5 pages each, 2 shared):
+    # someone is preempted
+    plain, e0 = _run(model, prompts, params)
     drafter = OracleDrafter({tuple(p): o[0] for p, o in zip(prompts, plain)}, V)
-    got, e = _run(model, prompts, params, spec={"num_speculative_tokens": K}, drafter=drafter, **kw)
+    got, e = _run(model, prompts, params, spec={"num_speculative_tokens": K}, drafter=drafter)
     assert got == plain
     st = e.stats()
     assert st["num_preemptions"] > 0 and st["spec_accepted_tokens"] > 0
@@ -143,8 +149,7 @@ def test_weight_free_drafters_equal_plain():
     got, e = _run(model, prompts, params, spec={"method": "ngram", "num_speculative_tokens": K})
     assert got == plain
     assert e.stats()["spec_draft_tokens"] > 0  # the repeating prompts gave drafts
-    e = Engine(model, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=160, page_size=16, warmup=False,
-               bucket_growth=16, speculative={"method": "suffix", "num_speculative_tokens": K})
+    e = Engine(model, warmup=False, speculative={"method": "suffix", "num_speculative_tokens": K}, **SHAPE)
     for turn in range(2):
         rid = e.add_request(prompts[1], params, cache_salt="tenant-a")
         while e.has_unfinished():

@@ -78,14 +78,15 @@ def test_pd_handoff_into_a_speculative_decode():
 
 
 def test_under_recipes():
-    """EP2 x TP2 and DCP2 x TP2 on 4 virtual devices (one child process each, side by side):
-    speculation equals plain decoding under the same recipe."""
+    """EP2 x TP2 with DCP2 on 4 virtual devices (one child process): speculation equals plain
+    decoding under the same recipe (experts exchanged, KDA heads and the journal split over TP,
+    MLA pages dealt over DCP ranks)."""
     import os
 
     from _util import run_children
 
     here = os.path.dirname(os.path.abspath(__file__))
-    recipes = ["ep=2,tp=2", "dcp=2,tp=2"]
+    recipes = ["ep=2,tp=2,dcp=2"]
     res = run_children(os.path.join(here, "_spec_recipe_check.py"), [],
                        [{"case": "k3-tiny-a", "recipes": [r]} for r in recipes], 4, timeout=1200)
     for r in recipes:
