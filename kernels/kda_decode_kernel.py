@@ -97,6 +97,12 @@ layer of 129 slots at 96 heads; on every call). ``[L, S, (W-1)*3H, d]`` is the s
 second-minor dim that needs no padding: its default layout is row-major and the compiled
 program has no copy of either pool.
 
+Speculative decoding: decode rows that carry drafts run this kernel's record mode,
+``kernels/kda_spec_kernel.py`` (a separate ``pallas_call`` with the same pools, DMA scheme and
+aliasing rules: last step's accepted drafts folded in from the journal, the first token
+committed exactly as here, the drafts verified in VMEM and journaled in place). This kernel is
+plain decoding only.
+
 Status: interpret mode on the CPU (tests/test_kda_decode_kernel.py) and compiled for tpu7x
 (tests/test_tpu_aot_kda.py); never run on a TPU (speed and DMA ordering unverified).
 """

@@ -28,30 +28,40 @@ import jax.numpy as jnp
 from .kda_decode_kernel import _l2_normalize, _log_decay, _rms_normalize, kda_decode
 from .kda_prefill_kernel import kda_prefill
 from .kda_ragged import ragged_causal_conv
+from .kda_spec_kernel import kda_spec_decode
 
 F32, I32 = jnp.float32, jnp.int32
 
 
 def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool, layer,
                        tok_row, cu_q_lens, q_lens, start_pos, read_slot, write_slot, fresh, snap_row, snap_len,
-                       snap_slot, *, lower_bound, eps, interpret=None):
-    """``(o [T, H, d] float32 after the gated output norm, state_pool, conv_pool)``.
+                       snap_slot, *, lower_bound, eps, interpret=None, journal=None, decode=None, jrow=None,
+                       fold_len=None):
+    """``(o [T, H, d] float32 after the gated output norm, state_pool, conv_pool)``, and the
+    journal fourth when one is given.
 
     Token inputs as :func:`kda_decode_kernel.kda_decode` (raw ``q|k|v`` projections, raw forget
     projection, beta, raw output gate); pools ``[L, S, ...]`` with ``layer``; ``tok_row`` local
     rows (``R`` for padding); the row arrays and snapshot entries of ``model.step.FlatBatch``.
     Same slot discipline as the kernels: written slots distinct, no row reads a slot another
-    row writes."""
+    row writes.
+
+    Speculative decoding: ``journal`` (``model.k3.journal_shapes``, all KDA layers) with the
+    step's ``decode`` row kinds, ``jrow`` and ``fold_len``. Decode rows (``decode`` with a token,
+    or one token) then run the record-mode kernel (``kda_spec_kernel.kda_spec_decode``: last
+    step's accepted drafts folded in, the first token committed, the drafts verified and
+    journaled in entry ``jrow``), whatever their length; the other rows of two tokens or more
+    take the prefill path. Only decode rows fold (the engine folds nothing into a prefill row)."""
     T = qkv_raw.shape[0]
-    H = beta.shape[-1]
-    P = f.shape[-1]
-    d = P // H
     R = q_lens.shape[0]
-    S = state_pool.shape[1]
     ql = q_lens.astype(I32)
     cu = cu_q_lens.astype(I32)
-    one, pre = ql == 1, ql >= 2
     tok_row = tok_row.astype(I32)
+    if journal is not None:
+        return _with_journal(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool, layer,
+                             tok_row, cu, ql, start_pos, read_slot, write_slot, fresh, snap_row, snap_len, snap_slot,
+                             journal, decode, jrow, fold_len, lower_bound=lower_bound, eps=eps, interpret=interpret)
+    one, pre = ql == 1, ql >= 2
 
     # ---- one-token rows: the decode kernel (a row's token is its first)
     e_ok = (snap_row < R) & (snap_len == 1)
@@ -63,6 +73,58 @@ def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_nor
         jnp.where(one, write_slot, -1), row_snap, fresh, jnp.where(jnp.any(one), R, 0), conv_w, A_log, dt_bias,
         o_norm, lower_bound=lower_bound, eps=eps, interpret=interpret)
 
+    o_pre, state_pool, conv_pool = _prefill_rows(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool,
+                                                 conv_pool, layer, tok_row, cu, ql, pre, start_pos, read_slot,
+                                                 write_slot, fresh, snap_row, snap_len, snap_slot,
+                                                 lower_bound=lower_bound, eps=eps, interpret=interpret)
+
+    # ---- each token's output: its row's decode output or its prefill output
+    r = jnp.minimum(tok_row, R - 1)
+    live = tok_row < R
+    o = jnp.where((live & one[r])[:, None, None], o_dec[r], jnp.where((live & pre[r])[:, None, None], o_pre, 0.0))
+    return o, state_pool, conv_pool
+
+
+def _with_journal(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool, layer, tok_row,
+                  cu, ql, start_pos, read_slot, write_slot, fresh, snap_row, snap_len, snap_slot, journal, decode, jrow,
+                  fold_len, *, lower_bound, eps, interpret):
+    """:func:`kda_layer_on_pools` of a speculative step: decode rows by the record-mode kernel."""
+    T, R = qkv_raw.shape[0], ql.shape[0]
+    D = journal[0].shape[2]
+    is_dec = (jnp.asarray(decode, bool) & (ql >= 1)) | (ql == 1)  # as kda_ragged's decode branch
+    pre = ~is_dec & (ql >= 2)
+    e_ok = (snap_row < R) & (snap_len == 1)  # a decode row's snapshot covers its first token only
+    row_snap = jnp.full((R,), -1, I32).at[jnp.where(e_ok, snap_row, R)].set(snap_slot.astype(I32), mode="drop")
+    jr = jnp.where(is_dec, jrow.astype(I32), -1)
+    o_dec, state_pool, conv_pool, journal = kda_spec_decode(
+        qkv_raw, f, beta, gate_out, state_pool, conv_pool, journal, layer, jnp.minimum(cu[:R], T - 1),
+        jnp.where(is_dec, ql - 1, 0), jr, jnp.where(jr >= 0, fold_len, 0), read_slot,
+        jnp.where(is_dec, write_slot, -1), jnp.where(is_dec, row_snap, -1), fresh,
+        jnp.where(jnp.any(is_dec), R, 0), conv_w, A_log, dt_bias, o_norm, lower_bound=lower_bound, eps=eps,
+        interpret=interpret)
+    o_pre, state_pool, conv_pool = _prefill_rows(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool,
+                                                 conv_pool, layer, tok_row, cu, ql, pre, start_pos, read_slot,
+                                                 write_slot, fresh, snap_row, snap_len, snap_slot,
+                                                 lower_bound=lower_bound, eps=eps, interpret=interpret)
+    r = jnp.minimum(tok_row, R - 1)
+    live = tok_row < R
+    i = jnp.clip(jnp.arange(T, dtype=I32) - cu[r], 0, D)  # each token's position in its row
+    o = jnp.where((live & is_dec[r])[:, None, None], o_dec[r, i],
+                  jnp.where((live & pre[r])[:, None, None], o_pre, 0.0))
+    return o, state_pool, conv_pool, journal
+
+
+def _prefill_rows(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool, layer, tok_row,
+                  cu, ql, pre, start_pos, read_slot, write_slot, fresh, snap_row, snap_len, snap_slot, *, lower_bound,
+                  eps, interpret):
+    """The rows ``pre`` (two tokens or more): the conv in XLA, the delta rule in the prefill
+    kernel, the gated output norm. Returns ``(o_pre [T, H, d], state_pool, conv_pool)``."""
+    T = qkv_raw.shape[0]
+    H = beta.shape[-1]
+    P = f.shape[-1]
+    d = P // H
+    R = ql.shape[0]
+    S = state_pool.shape[1]
     # ---- rows of two tokens or more: conv in XLA, the delta rule in the prefill kernel
     qlp = jnp.where(pre, ql, 0)
     tok_pre = jnp.where(pre[jnp.minimum(tok_row, R - 1)] & (tok_row < R), tok_row, R)
@@ -85,9 +147,4 @@ def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_nor
     conv_pool = conv_pool.at[layer, jnp.where(s_ok, snap_slot, S)].set(win(snap_conv), mode="drop")
     gate = jax.nn.sigmoid(gate_out.astype(F32).reshape(T, H, d))
     o_pre = _rms_normalize(o_pre, eps) * o_norm.astype(F32) * gate
-
-    # ---- each token's output: its row's decode output or its prefill output
-    r = jnp.minimum(tok_row, R - 1)
-    live = tok_row < R
-    o = jnp.where((live & one[r])[:, None, None], o_dec[r], jnp.where((live & pre[r])[:, None, None], o_pre, 0.0))
-    return o, state_pool, conv_pool
+    return o_pre, state_pool, conv_pool
