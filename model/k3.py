@@ -119,14 +119,18 @@ def journal_shapes(cfg, entries: int, drafts: int, dtype) -> tuple:
     return f, f, f, ((nK, entries, drafts, 3 * H * d), jnp.dtype(dtype))
 
 
-def fold_journal(state_rows, conv_rows, journal, jrow, fold_len):
+def fold_journal(state_rows, conv_rows, journal, jrow, fold_len, par=None):
     """Commit each row's ``fold_len`` accepted drafts from its journal entry ``jrow`` into its
     state rows ``[nK, R, H, dk, dv]`` and conv rows ``[nK, R, W-1, 3P]`` (``kernels/kda_spec.py``:
-    the same update as plain decoding, so the result equals it bit for bit)."""
+    the same update as plain decoding, so the result equals it bit for bit). Under a recipe
+    (``par``) each device reads its own entries (an attention-DP group's block)."""
     from ..kernels.kda_spec import conv_window_commit, kda_fold
 
     at = jnp.clip(jrow, 0, journal[0].shape[1] - 1)
-    jk, jeg, jdelta, jraw = (pool[:, at] for pool in journal)  # [nK, R, d, ...]
+    if par is None:
+        jk, jeg, jdelta, jraw = (pool[:, at] for pool in journal)  # [nK, R, d, ...]
+    else:
+        jk, jeg, jdelta, jraw = par.take_entries(journal, at)
     a = jnp.broadcast_to(jnp.where(jrow >= 0, fold_len, 0), state_rows.shape[:2])
     state = kda_fold(state_rows, (jk, jeg, jdelta), a)
     conv = conv_window_commit(conv_rows, jraw, a)
@@ -291,12 +295,12 @@ class KimiLM(nnx.Module):
         # switches (``ops.kda_layer_on_pools``): nothing is gathered before the stack or
         # scattered after it. Under a recipe it runs per rank on the rank's slots and heads
         # (``StepParallel.kda_layer_on_pools``).
-        # speculative steps run KDA on the reference path (the Pallas decode kernel has no record
-        # mode yet); MLA and the experts keep the backend's kernels
+        # A speculative step runs its decode rows through the kernel's record mode
+        # (``kernels/kda_spec_kernel.py``: the fold fused in, the journal carried through the scan
+        # and updated in place); under a recipe it still takes the reference path (the per-rank
+        # journal wiring is not done), MLA and the experts keep the backend's kernels there
         fused_kda = (bool(kda_idx) and cfg.kernels != "reference" and ops.kda_kernels_fit(cfg.kda_head_dim, cfg.kernels)
-                     and journal is None)
-        if journal is not None and par is not None and par.dp > 1:
-            raise NotImplementedError("speculative decoding does not run under attention DP yet")
+                     and (journal is None or par is None))
         if kda_idx and not fused_kda:
             # the conv pool's channels are stored rank-major when the heads are split over
             # ranks (``StepParallel.conv_groups``); the reference core reads q | k | v
@@ -305,7 +309,7 @@ class KimiLM(nnx.Module):
                                   conv_logical(take(cache.kda_conv, fb.read_slot), conv_groups))
             state_rows = jnp.where(fb.fresh[None, :, None, None, None], 0.0, take(cache.kda_state, fb.read_slot))
             if journal is not None:  # last step's accepted drafts, committed as plain decoding would
-                state_rows, conv_rows = fold_journal(state_rows, conv_rows, journal, fb.jrow, fb.fold_len)
+                state_rows, conv_rows = fold_journal(state_rows, conv_rows, journal, fb.jrow, fb.fold_len, par)
 
         # The residual stream (prefix sums, AttnRes bank) is kept in fp32 whatever the
         # weight dtype; sublayers read it normalised and cast to the compute dtype.
@@ -319,6 +323,8 @@ class KimiLM(nnx.Module):
         mla_of = np.array([mla_idx.get(l, 0) for l in range(L)], np.int32)
         if fused_kda:  # under a recipe each rank's block of the conv pool is its heads' q|k|v
             carry.update(state_pool=cache.kda_state, conv_pool=cache.kda_conv)
+            if journal is not None:  # the whole journal, updated in place layer by layer
+                carry.update(zip(JOURNAL_KEYS, journal))
         elif kda_idx:
             NS = fb.snap_slot.shape[0]
             carry.update(conv=conv_rows, state=state_rows,
@@ -421,11 +427,17 @@ class KimiLM(nnx.Module):
                     o_kda, carry["state_pool"], carry["conv_pool"] = ctx.par.kda_layer_on_pools(
                         *new, carry["state_pool"], carry["conv_pool"], kda_j, fb, q_lens, **kw)
                 else:
-                    o_kda, carry["state_pool"], carry["conv_pool"] = ops.kda_layer_on_pools(
+                    if journal is not None:
+                        kw.update(journal=tuple(carry[n] for n in JOURNAL_KEYS), decode=fb.decode, jrow=fb.jrow,
+                                  fold_len=fb.fold_len)
+                    out = ops.kda_layer_on_pools(
                         new[0].reshape(T, -1), *new[1:], carry["state_pool"], carry["conv_pool"], kda_j,
                         local_rows(fb.tok_row, fb.num_rows),
                         fb.cu_q_lens, q_lens, fb.start_pos, fb.read_slot, fb.write_slot, fb.fresh,
                         local_rows(fb.snap_row, fb.num_rows), fb.snap_len, fb.snap_slot, **kw)
+                    o_kda, carry["state_pool"], carry["conv_pool"] = out[:3]
+                    if journal is not None:
+                        carry.update(zip(JOURNAL_KEYS, out[3]))
             elif n_kda and (is_kda is not False):  # a non-KDA layer's zeros go to a dropped index
                 at = kda_j if is_kda is True else jnp.where(is_kda, kda_j, n_kda)
                 for n, v in zip(kda_keys, new):
@@ -471,6 +483,8 @@ class KimiLM(nnx.Module):
         kda_state, kda_conv = cache.kda_state, cache.kda_conv
         if fused_kda:
             kda_state, kda_conv = carry["state_pool"], carry["conv_pool"]
+            if journal is not None:
+                journal = tuple(carry[n] for n in JOURNAL_KEYS)
         elif kda_idx:
             conv_out, state_out, snap_conv, snap_state = (carry[n] for n in kda_keys[:4])
             conv_out, snap_conv = (conv_rank_major(v, conv_groups) for v in (conv_out, snap_conv))
@@ -480,11 +494,11 @@ class KimiLM(nnx.Module):
             kda_state = put(put(kda_state, fb.write_slot, state_out), fb.snap_slot, snap_state)
             if drafts:  # entry J: rows without one (the scatter drops it)
                 at = jnp.where(fb.jrow >= 0, fb.jrow, journal[0].shape[1])
-                journal = tuple(pool.at[:, at].set(carry[n].astype(pool.dtype), mode="drop")
-                                for pool, n in zip(journal, JOURNAL_KEYS))
-                if par is not None:  # out in the layout it came in (the AOT programs fix it)
-                    journal = tuple(jax.lax.with_sharding_constraint(v, sh)
-                                    for v, sh in zip(journal, par.journal_shardings(H_kda)))
+                if par is None:
+                    journal = tuple(pool.at[:, at].set(carry[n].astype(pool.dtype), mode="drop")
+                                    for pool, n in zip(journal, JOURNAL_KEYS))
+                else:  # per device, in the layout it came in (the AOT programs fix it)
+                    journal = par.put_entries(journal, at, tuple(carry[n] for n in JOURNAL_KEYS))
         p, bank = carry["p"], carry.get("bank")
         if not all_logits and not capture:  # only the tokens that are sampled
             at = jnp.maximum(fb.logits_idx.reshape(-1), 0)

@@ -204,12 +204,13 @@ class StepParallel:
         args = (raw, conv_w, g, beta, conv_rows, state_rows, tok_row, cu, q_lens, start_pos, snap_row, snap_len)
         if self.dp == 1:
             return core(*args, decode)
-        if decode is not None:
-            raise NotImplementedError("speculative decoding does not run under attention DP yet")
         d = P("dp")
         specs = (d, P(), d, d, d, d, d, d, d, d, d, d)
-        return jax.shard_map(core, mesh=self.mesh, in_specs=specs, out_specs=(d, (d, d, d, d)),
-                             check_vma=False)(*args)
+        # with drafts the core also returns the journal rows (keys, decays, deltas, pre-conv rows)
+        outs = (d,) * (4 if decode is None else 8)
+        if decode is not None:
+            args, specs = args + (decode,), specs + (d,)
+        return jax.shard_map(core, mesh=self.mesh, in_specs=specs, out_specs=(d, outs), check_vma=False)(*args)
 
     # ------------------------------------------------------------------ Pallas kernels per rank
     def _dcp_columns(self, table, local_table, ppr):
@@ -336,6 +337,37 @@ class StepParallel:
 
         return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, P(self.rows_axis)), out_specs=spec,
                              check_vma=False)(pool, slots)
+
+    def take_entries(self, journal, entries):
+        """Each row's journal entry, ``part[:, entries]`` per part of the speculative KDA
+        journal (:meth:`journal_shardings`), per device: a DP group's rows name only its own
+        block of entries."""
+        return tuple(self._take_local(part, entries, sh.spec)
+                     for part, sh in zip(journal, self.journal_shardings(journal[0].shape[3])))
+
+    def put_entries(self, journal, entries, rows):
+        """``part.at[:, entries].set(rows)`` per part of the journal, per device; entries out of
+        range (``-1``, past the end) are dropped."""
+        return tuple(self._put_local(part, entries, r, sh.spec)
+                     for part, r, sh in zip(journal, rows, self.journal_shardings(journal[0].shape[3])))
+
+    def _take_local(self, pool, slots, spec):
+        def local(pool, slots):
+            base = jax.lax.axis_index("dp") * pool.shape[1] if self.dp > 1 else 0
+            return pool[:, jnp.clip(slots - base, 0, pool.shape[1] - 1)]
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, P(self.rows_axis)), out_specs=spec,
+                             check_vma=False)(pool, slots)
+
+    def _put_local(self, pool, slots, rows, spec):
+        def local(pool, slots, rows):
+            base = jax.lax.axis_index("dp") * pool.shape[1] if self.dp > 1 else 0
+            lid = slots - base
+            lid = jnp.where((lid >= 0) & (lid < pool.shape[1]), lid, pool.shape[1])
+            return pool.at[:, lid].set(rows.astype(pool.dtype), mode="drop")
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, P(self.rows_axis), spec), out_specs=spec,
+                             check_vma=False)(pool, slots, rows)
 
     def put_slots(self, pool, slots, rows, kda_heads: int | None = None):
         """``pool.at[:, slots].set(rows)``; slots out of range are dropped. Per device, in the

@@ -22,15 +22,16 @@ def run(model, recipe, prompts, params, **kw):
     e = Engine(model, recipe=recipe, devices=jax.devices()[:n], max_num_seqs=4, max_num_batched_tokens=64,
                max_model_len=160, page_size=16, warmup=False, bucket_growth=16, **kw)
     rids = [e.add_request(p, params) for p in prompts]
-    out = {}
+    out, groups = {}, set()
     for _ in range(400):
         if not e.has_unfinished():
             break
         for o in e.step():
             if o.finished:
                 out[o.rid] = o.token_ids
+        groups.update(e.cache_mgr.group_of(r) for r in rids if r in e.cache_mgr)
     e.check_invariants()
-    return [out[r] for r in rids], e.stats()
+    return [out[r] for r in rids], dict(e.stats(), groups=sorted(groups))
 
 
 def main():
@@ -44,7 +45,8 @@ def main():
         plain, _ = run(model, recipe, prompts, params)
         drafter = OracleDrafter({tuple(p): o + [0] * K for p, o in zip(prompts, plain)}, V)
         got, st = run(model, recipe, prompts, params, speculative={"num_speculative_tokens": K}, drafter=drafter)
-        res[recipe] = {"equal": got == plain, "drafts": st["spec_draft_tokens"], "accepted": st["spec_accepted_tokens"]}
+        res[recipe] = {"equal": got == plain, "drafts": st["spec_draft_tokens"], "accepted": st["spec_accepted_tokens"],
+                       "groups": st["groups"]}
     print(json.dumps(res))
 
 

@@ -189,8 +189,10 @@ def test_a_conds_collectives_count_as_its_larger_branch():
 
 def test_speculative_steps_compile_with_the_journal(small_config, tmp_path):
     """Speculation (k = 3) under EP4 x TP2 x DCP8 with the Pallas kernels (KDA on the reference
-    path while speculating): every step and both samplers of each row count compile for tpu7x,
-    and the journal is counted per device (split over the KDA heads: its full size / 8)."""
+    path while speculating under a recipe): both step programs of each bucket (plain, and
+    speculative with the journal) and the three samplers of each row count (plain, speculative
+    with and without per-position table rows) compile for tpu7x, and the journal is counted per
+    device (split over the KDA heads: its full size / 8)."""
     from k3serve.model.config import K3Config
     from k3serve.model.k3 import journal_shapes
 
@@ -198,7 +200,8 @@ def test_speculative_steps_compile_with_the_journal(small_config, tmp_path):
                        "^(step|sample)", "--speculative", "ngram", "--num-speculative-tokens", "3", kernels="pallas")
     assert rc == 0, [p["error"] for p in rep["programs"] if not p["ok"]]
     names = [p["name"] for p in rep["programs"]]
-    for want in ("step[T=1]", "step[T=4]", "step[T=16]", "sample[R=4]", "sample[R=4,table]"):
+    for want in ("step[T=1]", "step[T=4,spec]", "step[T=16,spec]", "sample[R=4]", "sample[R=4,spec]",
+                 "sample[R=4,spec,table]"):
         assert want in names, names
     import numpy as np
 

@@ -93,6 +93,8 @@ def test_greedy_oracle_with_wrong_tokens_equals_plain(case):
     counts = e.stats()["spec_accept_counts"]
     assert sum(counts) > 0 and counts[K] > 0 and sum(counts[:K]) > 0, counts  # full blocks and rejections
     assert e.num_steps < 0.6 * 20 * len(prompts)  # fewer steps than one token a step
+    # the prefill steps (no drafts, nothing to fold) ran the plain program
+    assert 0 < e.stats()["spec_steps"] < e.num_steps
     assert len(drafter.finished) == len(set(drafter.finished)) == len(prompts)  # each request told once
 
 
@@ -166,3 +168,97 @@ def test_bad_settings_are_refused():
         Engine(model, speculative={"method": "eagle", "num_speculative_tokens": 2}, warmup=False)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         Engine(model, speculative={"method": "ngram", "num_speculative_tokens": 0}, warmup=False)
+
+
+def _chi2_homogeneity(a: list, b: list) -> tuple[float, int]:
+    """Two-sample chi-square statistic and degrees of freedom over the outcomes of ``a`` and
+    ``b``; outcomes expected fewer than 5 times in either sample are pooled into one bin."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    na, nb = len(a), len(b)
+    keys = sorted(set(ca) | set(cb))
+    small = [x for x in keys if (ca[x] + cb[x]) * min(na, nb) / (na + nb) < 5]
+    bins = [(ca[x], cb[x]) for x in keys if x not in small]
+    if small:
+        bins.append((sum(ca[x] for x in small), sum(cb[x] for x in small)))
+    stat = 0.0
+    for oa, ob in bins:
+        tot = oa + ob
+        for o, n in ((oa, na), (ob, nb)):
+            e = tot * n / (na + nb)
+            stat += (o - e) ** 2 / e
+    return stat, len(bins) - 1
+
+
+def _chi2_quantile_999(df: int) -> float:
+    """The chi-square distribution's 99.9 % quantile (Wilson-Hilferty; within 1 % for df >= 3)."""
+    z = 3.0902
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_sampled_distribution_matches_plain_sampling():
+    """Unseeded-alike: 300 requests with seeds 0..299 speculate, 300 with seeds 1000..1299 do
+    not; the joint law of their first three tokens (top-3 sampling at temperature 1, so a small
+    vocabulary of outcomes) is the same (two-sample chi-square, 99.9 %). The drafter proposes
+    the greedy chain, so drafts are accepted about as often as the sample is the argmax and the
+    emitted tokens mix accepted drafts, corrections and bonus tokens. The same statistic
+    separates plain sampling from the drafts themselves (the test has power)."""
+    model = load_case("k3-tiny-a")
+    V = model.config.vocab_size
+    prompt = _prompts(V)[1]
+    greedy = _plain(model, [prompt], SamplingParams(max_new_tokens=20, temperature=0.0))[0][0]
+
+    class Greedy:
+        def propose(self, req, max_tokens):
+            at = len(req.output)
+            return greedy[at:at + max_tokens]
+
+        def finish(self, req, keep=True):
+            pass
+
+    n = 300
+    draw = lambda s: SamplingParams(max_new_tokens=3, temperature=1.0, top_k=3, seed=s, ignore_eos=True)
+    spec, e = _run(model, [prompt] * n, [draw(s) for s in range(n)], spec={"num_speculative_tokens": K},
+                   drafter=Greedy())
+    plain, _ = _run(model, [prompt] * n, [draw(1000 + s) for s in range(n)])
+    st = e.stats()
+    assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"], st  # some drafts kept, some rejected
+    a, b = [tuple(x[0]) for x in spec], [tuple(x[0]) for x in plain]
+    stat, df = _chi2_homogeneity(a, b)
+    assert df >= 3 and stat < _chi2_quantile_999(df), (stat, df)
+    stat, df = _chi2_homogeneity([tuple(greedy[:3])] * n, b)
+    assert stat > _chi2_quantile_999(df), (stat, df)
+
+
+def test_abort_between_speculative_steps_leaks_nothing():
+    """A request aborted after a verify step whose accepted drafts are still unfolded, and a
+    fourth request aborted at the same moment wherever it is: the others' tokens equal plain decoding's, every slot, page, token
+    table row and journal entry comes back, and the aborted requests' drafters are told once."""
+    model = load_case("k3-tiny-a")
+    V = model.config.vocab_size
+    prompts = _prompts(V)
+    params = SamplingParams(max_new_tokens=20, temperature=0.0)
+    plain = _plain(model, prompts, params)
+    drafter = OracleDrafter({tuple(p): o[0] for p, o in zip(prompts, plain)}, V)
+    e = Engine(model, warmup=False, speculative={"num_speculative_tokens": K}, drafter=drafter, **SHAPE)
+    ids = [e.add_request(p, params) for p in prompts]
+    late = e.add_request(prompts[0], params)  # a fourth, aborted wherever it is (11 pages: it may wait)
+    out, aborted = {}, False
+    for _ in range(400):
+        if not e.has_unfinished():
+            break
+        for o in e.step():
+            if o.finished:
+                out[o.rid] = (o.token_ids, o.finish_reason)
+        if not aborted and e.stats()["spec_accepted_tokens"] > 0:  # a fold is pending for ids[1]
+            assert e.abort(ids[1]) and e.abort(late)
+            aborted = True
+    assert aborted
+    assert out[ids[1]][1] == "abort" and out[late][1] == "abort"
+    for i in (0, 2):
+        assert out[ids[i]][0] == plain[i][0]
+    e.check_invariants()
+    assert e.cache_mgr.num_free_slots == e.capacity_plan.max_concurrent_slots
+    assert not e.runner._journal_row and sum(map(len, e.runner._journal_free)) == e.runner.journal[0].shape[1]
+    assert sorted(drafter.finished) == sorted(ids + [late])

@@ -78,16 +78,18 @@ def test_pd_handoff_into_a_speculative_decode():
 
 
 def test_under_recipes():
-    """EP2 x TP2 with DCP2 on 4 virtual devices (one child process): speculation equals plain
-    decoding under the same recipe (experts exchanged, KDA heads and the journal split over TP,
-    MLA pages dealt over DCP ranks)."""
+    """On 4 virtual devices, one child process per recipe, side by side: EP2 x TP2 with DCP2
+    (experts exchanged, KDA heads and the journal split over TP, MLA pages dealt over DCP
+    ranks) and attention DP2 x DCP2 (each group's requests journal in the group's block of
+    entries): speculation equals plain decoding under the same recipe."""
     import os
 
     from _util import run_children
 
     here = os.path.dirname(os.path.abspath(__file__))
-    recipes = ["ep=2,tp=2,dcp=2"]
+    recipes = ["ep=2,tp=2,dcp=2", "ep=4,tp=1,dp=2,dcp=2"]
     res = run_children(os.path.join(here, "_spec_recipe_check.py"), [],
                        [{"case": "k3-tiny-a", "recipes": [r]} for r in recipes], 4, timeout=1200)
     for r in recipes:
         assert res[r]["equal"] and res[r]["accepted"] > 0, (r, res[r])
+    assert res["ep=4,tp=1,dp=2,dcp=2"]["groups"] == [0, 1], res  # both DP groups speculated at once

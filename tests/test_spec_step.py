@@ -15,6 +15,12 @@ MoE's matmuls see a different number of tokens per expert in a step of several t
 a step of one, and XLA's CPU matmul rounds differently with the row count: there the figures
 agree to fp32 noise (relative 1e-5), exactly as plain decoding of one request differs in a
 batch of other requests.
+
+``kimi-linear-tiny-dense@pallas-interpret``: the same model on the interpreted Pallas kernels, so a
+speculative step runs the KDA decode kernel's record mode (``kernels/kda_spec_kernel.py``: fold
+fused in, drafts journaled in place) and plain decoding runs ``kda_decode``; accept lengths 0, 2
+and 4 only (interpreted steps are slow), relative 1e-5: the two kernels round the delta step's
+multiply-adds differently (``tests/test_kda_spec_kernel.py``), so not bit for bit.
 """
 from __future__ import annotations
 
@@ -33,7 +39,9 @@ NUM_SLOTS, NUM_PAGES, WIDTH, DRAFTS, J = 6, 24, 8, 4, 3
 HIST = 13  # history tokens before the decode rows
 
 
-CASES = {"kimi-linear-tiny-dense": 0.0, "k3-tiny-a": 1e-5}  # case -> relative tolerance (0: bit for bit)
+# case -> relative tolerance (0: bit for bit); "@pallas-interpret": the Pallas kernels, interpreted
+CASES = {"kimi-linear-tiny-dense": 0.0, "k3-tiny-a": 1e-5, "kimi-linear-tiny-dense@pallas-interpret": 1e-5}
+PALLAS_ACCEPTED = (0, 2, DRAFTS)  # interpreted steps are slow: a few accept lengths
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -43,7 +51,15 @@ def case(request):
 
 @pytest.fixture(scope="module")
 def model(case):
-    return load_case(case)
+    name, _, kernels = case.partition("@")
+    if not kernels:
+        return load_case(name)
+    from _util import DATA
+    from k3serve.checkpoints import load_pretrained
+
+    m = load_pretrained(DATA / name, dtype="float32", kernels=kernels)
+    assert m.config.kernels == kernels
+    return m
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +150,8 @@ def _plain_run(plain, cache, setup, n):
 def test_verify_then_fold_equals_plain_decoding(case, model, fns, setup, accepted):
     plain, spec = fns
     tol = CASES[case]
+    if "@" in case and accepted not in PALLAS_ACCEPTED:
+        pytest.skip("interpreted kernels: a few accept lengths")
     cache0, xs = setup["cache"], setup["xs"]
     pa, pb, pc = setup["pages"]
     want_logits, want = _plain_run(plain, cache0, setup, accepted + 2)

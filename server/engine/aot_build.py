@@ -93,28 +93,36 @@ def serving_programs(engine, context=contextlib.nullcontext, want=lambda name: T
             return None, None
         return _attempt(name, lower, context, compile)
 
+    # a speculating engine has two programs per bucket (``Runner.launch``): the plain one
+    # (``step[T=N]``, sampled by ``sample[R=N]``) and the speculative one (``step[T=N,spec]``,
+    # sampled by ``sample[R=N,spec]`` and, when a row reads the token table, ``sample[R=N,spec,table]``)
+    kinds = (False, True) if run.journal is not None else (False,)
     for T in run.shape_buckets():
         R = run.layout(T).R
-        sample = R not in samplers and want(f"sample[R={R}]")
-        name = f"step[T={T}]"
-        built, src = _attempt(name, lambda T=T: run._jit(T).lower(params, cache, *run._padding_args(T)), context,
-                              compile=want(name)) if want(name) or sample else (None, None)
-        if want(name):
-            yield built
-        if R in samplers or not sample:
-            continue
-        samplers.add(R)
-        if src is None:
-            yield Built(f"sample[R={R}]", None, 0.0, "not lowered: its step program did not lower")
-            continue
-        if run.journal is not None:  # speculative: a sampler with and one without per-position table rows
-            logits, _, rows, spec, _ = src.out_info
-            for u in (False, True):
-                yield _attempt(f"sample[R={R}{',table' if u else ''}]",
-                               lambda u=u: run._sample_spec_jit[u].lower(logits, rows, spec, run.table), context)[0]
-            continue
-        logits, _, rows = src.out_info
-        yield _attempt(f"sample[R={R}]", lambda: run._sample_jit.lower(logits, rows, run.table), context)[0]
+        for sp in kinds:
+            tag = ",spec" if sp else ""
+            snames = [f"sample[R={R}{tag}{',table' if u else ''}]" for u in ((False, True) if sp else (False,))]
+            sample = (R, sp) not in samplers and any(want(n) for n in snames)
+            name = f"step[T={T}{tag}]"
+            built, src = _attempt(name, lambda T=T, sp=sp: run._jit(T, sp).lower(params, cache, *run._padding_args(T, sp)),
+                                  context, compile=want(name)) if want(name) or sample else (None, None)
+            if want(name):
+                yield built
+            if (R, sp) in samplers or not sample:
+                continue
+            samplers.add((R, sp))
+            if src is None:
+                for n in snames:
+                    yield Built(n, None, 0.0, "not lowered: its step program did not lower")
+                continue
+            if sp:
+                logits, _, rows, spec, _ = src.out_info
+                for u, n in zip((False, True), snames):
+                    yield _attempt(n, lambda u=u: run._sample_spec_jit[u].lower(logits, rows, spec, run.table),
+                                   context)[0]
+                continue
+            logits, _, rows = src.out_info
+            yield _attempt(snames[0], lambda: run._sample_jit.lower(logits, rows, run.table), context)[0]
     progs = [("table_row", lambda: run._set_row.lower(run.table, _sds(()), _sds((run.vocab_size,))))]
     if engine.prefix_cache is not None:
         for w in mgr.copy_widths:

@@ -76,9 +76,9 @@ class Engine:
         requests run), ...the method's options}``. Decode rows carry up to ``k`` drafts, verified
         in the step; emitted tokens are exactly those of plain decoding (greedy, and seeded
         sampling too). ``drafter`` (tests): an object with ``propose(req, max_tokens)`` and
-        ``finish(req, keep)`` used instead of the method's. For now speculation runs under recipes
-        without attention DP, with synchronous scheduling; its KDA layers take the reference path
-        (the Pallas KDA decode kernel has no record mode yet), MLA and the experts the backend's."""
+        ``finish(req, keep)`` used instead of the method's. Speculation runs under every recipe
+        (attention DP: each group journals in its own block of entries), with synchronous
+        scheduling."""
         from .dispatch import LocalDispatch
 
         cfg = model.config
@@ -92,11 +92,6 @@ class Engine:
                 drafter = make_drafter(speculative)
             elif spec_k < 1:
                 raise ValueError(f"num_speculative_tokens must be >= 1, got {spec_k}")
-            if recipe is not None:
-                from ...sharding.recipe import Recipe
-
-                if Recipe.parse(recipe).dp > 1:
-                    raise ValueError("speculative decoding does not run under attention DP (dp > 1) yet")
             async_scheduling = False  # the drafts need the last token on the host
         self.drafter = drafter if spec_k else None
         self.spec_k = spec_k
@@ -563,6 +558,7 @@ class Engine:
             "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens,
             "spec_accept_counts": list(self.spec_accept_counts),
+            "spec_steps": self.runner.spec_steps,  # on the speculative program; the other steps ran the plain one
             "num_steps": self.num_steps,
             "num_preemptions": self.num_preemptions,
             "running": len(self.scheduler.running),

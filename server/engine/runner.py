@@ -50,7 +50,6 @@ import numpy as np
 from flax import nnx
 
 from ...intmath import cdiv
-from ...kernels.kda_ragged import draft_tokens
 from ...model.step import FlatBatch, token_buckets
 from .process_barrier import wait_for_processes
 from .sampler import SamplerInputs, record_tokens, row_settings, sample, token_table_row, uses_penalties
@@ -180,12 +179,13 @@ class Runner:
         self.num_slots = cache_mgr.capacity_plan.num_slots
         self.buckets_used: set[int] = set()  # token buckets launched
         self.max_logprobs = max_logprobs
-        self._compiled: dict = {}  # token bucket -> AOT-compiled step (warm-up)
+        self._compiled: dict = {}  # (token bucket, speculative) -> AOT-compiled step (warm-up)
         self._compiled_sample: dict = {}  # row count -> AOT-compiled sampling (warm-up)
         self.warm_fixed = 0  # programs warm-up compiled besides the steps and sampling
         self.launch_s = 0.0  # host time building inputs and dispatching
         self.wait_s = 0.0  # host time blocked waiting for step results
         self.num_steps = 0
+        self.spec_steps = 0  # steps run on the speculative program (a speculating engine's others run the plain one)
         self._step_tokens: dict[int, jax.Array] = {}  # step number -> its sampled tokens (the last two)
         self.vocab_size = V = model.config.vocab_size
         self.spec_k = k = int(num_speculative_tokens)
@@ -193,12 +193,14 @@ class Runner:
         self.journal = None
         self._journal_row: dict[str, int] = {}
         if k:
-            if par is not None and par.dp > 1:
-                raise NotImplementedError("speculative decoding does not run under attention DP yet")
             from ...model.k3 import journal_shapes
 
-            entries = cache_mgr.capacity_plan.max_concurrent_slots
-            self._journal_free = list(range(entries - 1, -1, -1))
+            # under attention DP the journal's entries are split over the groups like the slots
+            # (``StepParallel.journal_shardings``): group g's requests take entries in block g
+            per_group = cdiv(cache_mgr.capacity_plan.max_concurrent_slots, dp)
+            entries = dp * per_group
+            self._journal_free = [list(range((g + 1) * per_group - 1, g * per_group - 1, -1)) for g in range(dp)]
+            self._journal_group: dict[str, int] = {}
             shapes = journal_shapes(model.config, entries, k, model.dtype)
             H = model.config.kda_num_heads
             where = (par.journal_shardings(H) if par is not None
@@ -263,7 +265,9 @@ class Runner:
                 logits, cache, journal = nnx.merge(graphdef, params).step(fb, cache, par=par,
                                                                           unroll=self.unroll_layers, journal=journal)
                 # the sampler's view of the drafts: each row's tokens 1 .. k, and the suppression per position
-                spec = jnp.concatenate([draft_tokens(ids, fb.cu_q_lens, k), m["supp"]], axis=1)
+                # (by the rows' global first tokens: under attention DP ``cu_q_lens`` counts within a group)
+                at = jnp.minimum(col["first_tok"][:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :], lay.T - 1)
+                spec = jnp.concatenate([ids[at], m["supp"]], axis=1)
                 if par is not None:
                     cache = par.pin_cache(cache)
                 return logits, cache, rows, spec, journal
@@ -332,9 +336,12 @@ class Runner:
         self.dispatch.register("step", self._run_step)
         self.dispatch.register("table_row", self._write_table_row)
 
-    def layout(self, T: int) -> _Layout:
+    def layout(self, T: int, spec: bool = False) -> _Layout:
+        """The packed metadata of a step in bucket ``T``; ``spec``: the speculative program's
+        (every verify position of a row sampled)."""
         Rg = self.rows_for(T)
-        return _Layout(T=T * self.dp, R=self.dp * Rg, P=self.page_width, dp=self.dp, NS=self.dp * Rg, n=self.n_pos)
+        return _Layout(T=T * self.dp, R=self.dp * Rg, P=self.page_width, dp=self.dp, NS=self.dp * Rg,
+                       n=self.n_pos if spec else 1)
 
     def rows_for(self, T: int) -> int:
         """Rows per DP group of a step in token bucket ``T``: every row has a token, so no
@@ -370,7 +377,12 @@ class Runner:
         order = sorted(range(len(rows)), key=lambda i: (groups[i], rows[i].num_tokens > 1))
         Tg = self._bucket(max(self._group_tokens(rows)))
         self.buckets_used.add(Tg)
-        lay = self.layout(Tg)
+        # a speculating engine runs a step on its speculative program only when a row carries
+        # drafts or has accepted drafts to fold; otherwise the plain program does the same work
+        # for fewer logits, no journal and plain sampling
+        spec = self.n_pos > 1 and any(getattr(r, "drafts", ()) or (getattr(r, "decode", False) and r.req.spec_fold)
+                                      for r in rows)
+        lay = self.layout(Tg, spec)
         meta = np.zeros(lay.size, np.int32)
         m = lay.split(meta)
         tok, rcols, table, cu = m["tok"], m["rows"], m["table"], m["cu"]
@@ -379,7 +391,6 @@ class Runner:
         Rg = lay.R // self.dp
         tok[2] = -1  # padding tokens belong to no row
         col["logits_idx"][:] = col["from_prev"][:] = col["jrow"][:] = -1
-        spec = self.n_pos > 1
         if spec:
             m["lidx"][:] = -1
         col["write_slot"][:] = self.num_slots  # rows without tokens write nothing
@@ -433,7 +444,7 @@ class Runner:
                 m["lidx"][ri, :npos] = np.arange(ti + n - npos, ti + n)
                 m["supp"][ri, :npos] = [bool(sup and req.num_generated + j < p.min_new_tokens) for j in range(npos)]
                 if col["decode"][ri]:
-                    col["jrow"][ri] = self._journal_entry(req.rid)
+                    col["jrow"][ri] = self._journal_entry(req.rid, groups[i])
                     col["fold"][ri], req.spec_fold = req.spec_fold, 0  # last step's accepted drafts
                 elif req.spec_fold:
                     raise RuntimeError(f"{req.rid}: accepted drafts left unfolded before a prefill row")
@@ -456,16 +467,16 @@ class Runner:
         fl[index] = f.T
         col["top_k"][index], col["seed"][index] = k_, s_.view(np.int32)
         use_table = bool(spec and (col["trow"] > 0).any())
-        step, out, tokens = self.dispatch("step", Tg, meta, prev.step if prev is not None else -1, use_table)
+        step, out, tokens = self.dispatch("step", Tg, meta, prev.step if prev is not None else -1, use_table, spec)
         self.launch_s += time.perf_counter() - t
         return InFlight(step, list(rows), out, tokens, index, self)
 
-    def _run_step(self, T: int, meta: np.ndarray, prev_step: int, use_table: bool = False):
+    def _run_step(self, T: int, meta: np.ndarray, prev_step: int, use_table: bool = False, spec: bool = False):
         """Launch the step program of bucket ``T`` on packed metadata ``meta`` and its sampling
         (the dispatched operation "step"); ``prev_step``: the step whose sampled tokens feed
-        this one's ``from_prev`` rows (-1: none); ``use_table`` (speculative steps): some row
-        reads the token table, so each verify position gets its own table row. Returns (step
-        number, outputs, tokens)."""
+        this one's ``from_prev`` rows (-1: none); ``spec``: the speculative program (with the
+        journal); ``use_table`` (speculative steps): some row reads the token table, so each
+        verify position gets its own table row. Returns (step number, outputs, tokens)."""
         self.buckets_used.add(T)
         if prev_step < 0:
             prev_tokens = self._zero_prev
@@ -473,12 +484,12 @@ class Runner:
             prev_tokens = self._step_tokens[prev_step]
         else:
             raise RuntimeError(f"step {prev_step}'s tokens are gone (only {sorted(self._step_tokens)} are kept)")
-        fn = self._compiled.get(T) or self._jit(T)
-        if self.journal is not None:
-            logits, self.cache_mgr.device_cache, rows_dev, spec, self.journal = fn(
+        fn = self._compiled.get((T, spec)) or self._jit(T, spec)
+        if spec:
+            logits, self.cache_mgr.device_cache, rows_dev, drafts, self.journal = fn(
                 self.model.params, self.cache_mgr.device_cache, jax.device_put(meta, self._meta_sharding), prev_tokens,
                 self.journal)
-            out, tokens, self.table = self._spec_sampler(self.layout(T).R, use_table)(logits, rows_dev, spec,
+            out, tokens, self.table = self._spec_sampler(self.layout(T).R, use_table)(logits, rows_dev, drafts,
                                                                                       self.table)
         else:
             logits, self.cache_mgr.device_cache, rows_dev = fn(
@@ -486,6 +497,7 @@ class Runner:
                 prev_tokens)
             out, tokens, self.table = self._sampler(self.layout(T).R)(logits, rows_dev, self.table)
         self.num_steps += 1
+        self.spec_steps += bool(spec)
         self._step_tokens[self.num_steps] = tokens
         self._step_tokens.pop(self.num_steps - 2, None)
         return self.num_steps, out, tokens
@@ -494,24 +506,29 @@ class Runner:
         """Token table row ``i`` := ``row`` (the dispatched operation "table_row")."""
         self.table = self._set_row(self.table, np.int32(i), row)
 
-    def _jit(self, T: int):
-        f = self._fns.get(T)
+    def _jit(self, T: int, spec: bool = False):
+        """The step program of bucket ``T`` (``spec``: the speculative one, which takes and
+        returns the journal)."""
+        f = self._fns.get((T, spec))
         if f is None:
-            f = self._fns[T] = self.programs.jit(functools.partial(self._step_fn, lay=self.layout(T)), "step",
-                                                 donate_argnums=(1, 4) if self.journal is not None else (1,))
+            f = self._fns[(T, spec)] = self.programs.jit(functools.partial(self._step_fn, lay=self.layout(T, spec)),
+                                                         "step", donate_argnums=(1, 4) if spec else (1,))
         return f
 
     def _spec_sampler(self, R: int, use_table: bool):
         """The speculative sampling program for steps of ``R`` rows (compiled at warm-up)."""
         return self._compiled_sample.get((R, use_table)) or self._sample_spec_jit[use_table]
 
-    def _journal_entry(self, rid) -> int:
-        """``rid``'s entry in the KDA journal, given at its first decode row under speculation."""
+    def _journal_entry(self, rid, group: int = 0) -> int:
+        """``rid``'s entry in the KDA journal, given at its first decode row under speculation
+        (in its attention-DP group's block of entries)."""
         e = self._journal_row.get(rid)
         if e is None:
-            if not self._journal_free:
-                raise RuntimeError("KDA journal full (more decoding requests than request slots)")
-            e = self._journal_row[rid] = self._journal_free.pop()
+            free = self._journal_free[group]
+            if not free:
+                raise RuntimeError(f"KDA journal full (more decoding requests than request slots in group {group})")
+            e = self._journal_row[rid] = free.pop()
+            self._journal_group[rid] = group
         return e
 
     def _sampler(self, R: int):
@@ -550,7 +567,7 @@ class Runner:
             self._table_free.append(i)
         e = self._journal_row.pop(rid, None)
         if e is not None:
-            self._journal_free.append(e)
+            self._journal_free[self._journal_group.pop(rid)].append(e)
 
     def check_table(self, requests) -> None:
         """The device token table equals the one built from the host's histories, for every
@@ -581,16 +598,17 @@ class Runner:
         sampling program per distinct row count, and the small programs warm-up compiled
         (``warm_fixed``: cache copies, reads and loads, the token-table row)."""
         buckets = list(buckets)
-        samplers = len({self.layout(T).R for T in buckets}) * (2 if self.journal is not None else 1)
-        return len(buckets) + samplers + self.warm_fixed
+        per = 2 if self.journal is not None else 1  # a speculating engine: the plain and the speculative program
+        samplers = len({self.layout(T).R for T in buckets}) * (3 if self.journal is not None else 1)
+        return per * len(buckets) + samplers + self.warm_fixed
 
     def warm_table_row(self) -> None:
         """Compile the token-table row write (one program: the row is always ``[V]``) by
         writing row 0 (the rows that use no table) with what it holds: zeros."""
         self._write_table_row(0, token_table_row([], [], [], self.vocab_size))
 
-    def _padding_args(self, T: int) -> tuple:
-        lay = self.layout(T)
+    def _padding_args(self, T: int, spec: bool = False) -> tuple:
+        lay = self.layout(T, spec)
         meta = np.zeros(lay.size, np.int32)
         m = lay.split(meta)
         m["tok"][2] = -1
@@ -598,10 +616,10 @@ class Runner:
         rows[:, _COLS.index("logits_idx")] = rows[:, _COLS.index("from_prev")] = -1
         rows[:, _COLS.index("write_slot")] = self.num_slots
         m["snap"][0], m["snap"][2] = -1, self.num_slots
-        if self.n_pos > 1:
+        rows[:, _COLS.index("jrow")] = -1
+        if spec:
             m["lidx"][:] = -1
-            rows[:, _COLS.index("jrow")] = -1
-        journal = (self.journal,) if self.journal is not None else ()
+        journal = (self.journal,) if spec else ()
         if self.abstract:  # placed as ``_run_step`` places it: replicated on a mesh
             return (jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=self._meta_sharding), self._zero_prev,
                     *journal)
@@ -620,19 +638,22 @@ class Runner:
         import os
 
         before = self.num_compiles
-        shapes = [s for s in self.shape_buckets() if s not in self._compiled]
+        # a speculating engine has two programs per bucket: the plain one and the speculative one
+        kinds = (False, True) if self.journal is not None else (False,)
+        shapes = [(T, sp) for T in self.shape_buckets() for sp in kinds if (T, sp) not in self._compiled]
         cpus = os.cpu_count() or 1
         workers = workers or (1 if cpus < 8 else min(8, cpus // 4))
         with cf.ThreadPoolExecutor(workers, thread_name_prefix="k3-compile") as ex:
             futures, sfutures = {}, {}
-            for T in shapes:
-                lowered = self._jit(T).lower(self.model.params, self.cache_mgr.device_cache, *self._padding_args(T))
-                futures[T] = ex.submit(lowered.compile)
+            for T, sp in shapes:
+                lowered = self._jit(T, sp).lower(self.model.params, self.cache_mgr.device_cache,
+                                                 *self._padding_args(T, sp))
+                futures[(T, sp)] = ex.submit(lowered.compile)
                 R = self.layout(T).R
-                if self.journal is not None:
+                if sp:
                     for u in (False, True):
                         if (R, u) not in self._compiled_sample and (R, u) not in sfutures:
-                            def spec_sampler(step=futures[T], u=u):
+                            def spec_sampler(step=futures[(T, sp)], u=u):
                                 logits, _, rows, spec, _ = step.result().out_info
                                 return self._sample_spec_jit[u].lower(logits, rows, spec, self.table).compile()
 
@@ -640,29 +661,29 @@ class Runner:
                 elif R not in self._compiled_sample and R not in sfutures:
                     # lowered against the compiled step's outputs (logits, rows): their shapes
                     # and the shardings XLA chose; the step's compile was submitted first
-                    def sampler(step=futures[T]):
+                    def sampler(step=futures[(T, sp)]):
                         logits, _, rows = step.result().out_info
                         return self._sample_jit.lower(logits, rows, self.table).compile()
 
                     sfutures[R] = ex.submit(sampler)
-            for T, fut in futures.items():
-                self._compiled[T] = fut.result()
+            for key, fut in futures.items():
+                self._compiled[key] = fut.result()
             for R, fut in sfutures.items():
                 self._compiled_sample[R] = fut.result()
         # every process of a multi-host deployment has compiled: meet before the first
         # collectives, whose setup gives a slower process only 30 s (``wait_for_processes``)
         wait_for_processes("warmup-compiled")
         # run each program once (first-run allocations), with the cache and table flowing through
-        for T in shapes:
-            if self.journal is not None:
-                logits, self.cache_mgr.device_cache, rows, spec, self.journal = self._compiled[T](
-                    self.model.params, self.cache_mgr.device_cache, *self._padding_args(T))
+        for T, sp in shapes:
+            if sp:
+                logits, self.cache_mgr.device_cache, rows, spec, self.journal = self._compiled[(T, sp)](
+                    self.model.params, self.cache_mgr.device_cache, *self._padding_args(T, sp))
                 for u in (False, True):
                     out, _, self.table = self._spec_sampler(self.layout(T).R, u)(logits, rows, spec, self.table)
                 jax.block_until_ready(out)
                 continue
-            logits, self.cache_mgr.device_cache, rows = self._compiled[T](
-                self.model.params, self.cache_mgr.device_cache, *self._padding_args(T))
+            logits, self.cache_mgr.device_cache, rows = self._compiled[(T, sp)](
+                self.model.params, self.cache_mgr.device_cache, *self._padding_args(T, sp))
             out, _, self.table = self._sampler(self.layout(T).R)(logits, rows, self.table)
             jax.block_until_ready(out)
         return self.num_compiles - before
