@@ -64,10 +64,7 @@ def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_nor
     one, pre = ql == 1, ql >= 2
 
     # ---- one-token rows: the decode kernel (a row's token is its first)
-    e_ok = (snap_row < R) & (snap_len == 1)
-    e_row = jnp.where(e_ok, snap_row, R)
-    row_snap = jnp.full((R,), -1, I32).at[e_row].set(snap_slot.astype(I32), mode="drop")
-    row_snap = jnp.where(one, row_snap, -1)
+    row_snap = jnp.where(one, _first_token_snapshots(snap_row, snap_len, snap_slot, R), -1)
     o_dec, state_pool, conv_pool = kda_decode(
         qkv_raw, f, beta, gate_out, state_pool, conv_pool, layer, jnp.minimum(cu[:R], T - 1), read_slot,
         jnp.where(one, write_slot, -1), row_snap, fresh, jnp.where(jnp.any(one), R, 0), conv_w, A_log, dt_bias,
@@ -85,6 +82,12 @@ def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_nor
     return o, state_pool, conv_pool
 
 
+def _first_token_snapshots(snap_row, snap_len, snap_slot, R: int):
+    """Per row, the slot of a snapshot entry after its first token (``-1``: none)."""
+    e_row = jnp.where((snap_row < R) & (snap_len == 1), snap_row, R)
+    return jnp.full((R,), -1, I32).at[e_row].set(snap_slot.astype(I32), mode="drop")
+
+
 def _with_journal(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool, layer, tok_row,
                   cu, ql, start_pos, read_slot, write_slot, fresh, snap_row, snap_len, snap_slot, journal, decode, jrow,
                   fold_len, *, lower_bound, eps, interpret):
@@ -93,8 +96,7 @@ def _with_journal(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, st
     D = journal[0].shape[2]
     is_dec = (jnp.asarray(decode, bool) & (ql >= 1)) | (ql == 1)  # as kda_ragged's decode branch
     pre = ~is_dec & (ql >= 2)
-    e_ok = (snap_row < R) & (snap_len == 1)  # a decode row's snapshot covers its first token only
-    row_snap = jnp.full((R,), -1, I32).at[jnp.where(e_ok, snap_row, R)].set(snap_slot.astype(I32), mode="drop")
+    row_snap = _first_token_snapshots(snap_row, snap_len, snap_slot, R)  # a decode row's covers its first token only
     jr = jnp.where(is_dec, jrow.astype(I32), -1)
     o_dec, state_pool, conv_pool, journal = kda_spec_decode(
         qkv_raw, f, beta, gate_out, state_pool, conv_pool, journal, layer, jnp.minimum(cu[:R], T - 1),

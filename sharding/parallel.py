@@ -329,14 +329,14 @@ class StepParallel:
         """``pool[:, slots]`` where each DP group's rows name only its own slots (the KDA
         state keeps its heads split over the group: :meth:`_slot_spec`). Per device, in the
         pool's own layout (also without DP). ``kda_heads``: for the conv pool."""
-        spec = self._slot_spec(pool, kda_heads)
+        return self._take_local(pool, slots, self._slot_spec(pool, kda_heads))
 
-        def local(pool, slots):
-            base = jax.lax.axis_index("dp") * pool.shape[1] if self.dp > 1 else 0
-            return pool[:, jnp.clip(slots - base, 0, pool.shape[1] - 1)]
-
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, P(self.rows_axis)), out_specs=spec,
-                             check_vma=False)(pool, slots)
+    def put_slots(self, pool, slots, rows, kda_heads: int | None = None):
+        """``pool.at[:, slots].set(rows)``; slots out of range are dropped. Per device, in the
+        pool's own layout: ``rows`` are brought to it (a few rows), never the pool to them.
+        Left to XLA, a dp=1 step scattered into the replicated conv pool split over its
+        channels and then all-gathered the whole pool (``tools/step_collectives.py``)."""
+        return self._put_local(pool, slots, rows, self._slot_spec(pool, kda_heads))
 
     def take_entries(self, journal, entries):
         """Each row's journal entry, ``part[:, entries]`` per part of the speculative KDA
@@ -352,6 +352,9 @@ class StepParallel:
                      for part, r, sh in zip(journal, rows, self.journal_shardings(journal[0].shape[3])))
 
     def _take_local(self, pool, slots, spec):
+        """``pool[:, slots]`` per device in layout ``spec``: axis 1 (slots or journal entries)
+        split over ``"dp"``, each group's rows naming its own block."""
+
         def local(pool, slots):
             base = jax.lax.axis_index("dp") * pool.shape[1] if self.dp > 1 else 0
             return pool[:, jnp.clip(slots - base, 0, pool.shape[1] - 1)]
@@ -360,27 +363,13 @@ class StepParallel:
                              check_vma=False)(pool, slots)
 
     def _put_local(self, pool, slots, rows, spec):
+        """``pool.at[:, slots].set(rows)`` per device in layout ``spec`` (out-of-block slots dropped)."""
+
         def local(pool, slots, rows):
             base = jax.lax.axis_index("dp") * pool.shape[1] if self.dp > 1 else 0
             lid = slots - base
             lid = jnp.where((lid >= 0) & (lid < pool.shape[1]), lid, pool.shape[1])
             return pool.at[:, lid].set(rows.astype(pool.dtype), mode="drop")
-
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, P(self.rows_axis), spec), out_specs=spec,
-                             check_vma=False)(pool, slots, rows)
-
-    def put_slots(self, pool, slots, rows, kda_heads: int | None = None):
-        """``pool.at[:, slots].set(rows)``; slots out of range are dropped. Per device, in the
-        pool's own layout: ``rows`` are brought to it (a few rows), never the pool to them.
-        Left to XLA, a dp=1 step scattered into the replicated conv pool split over its
-        channels and then all-gathered the whole pool (``tools/step_collectives.py``)."""
-        spec = self._slot_spec(pool, kda_heads)
-
-        def local(pool, slots, rows):
-            base = jax.lax.axis_index("dp") * pool.shape[1] if self.dp > 1 else 0
-            lid = slots - base
-            lid = jnp.where((lid >= 0) & (lid < pool.shape[1]), lid, pool.shape[1])
-            return pool.at[:, lid].set(rows, mode="drop")
 
         return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, P(self.rows_axis), spec), out_specs=spec,
                              check_vma=False)(pool, slots, rows)

@@ -197,10 +197,9 @@ class Runner:
 
             # under attention DP the journal's entries are split over the groups like the slots
             # (``StepParallel.journal_shardings``): group g's requests take entries in block g
-            per_group = cdiv(cache_mgr.capacity_plan.max_concurrent_slots, dp)
+            self._journal_per_group = per_group = cdiv(cache_mgr.capacity_plan.max_concurrent_slots, dp)
             entries = dp * per_group
             self._journal_free = [list(range((g + 1) * per_group - 1, g * per_group - 1, -1)) for g in range(dp)]
-            self._journal_group: dict[str, int] = {}
             shapes = journal_shapes(model.config, entries, k, model.dtype)
             H = model.config.kda_num_heads
             where = (par.journal_shardings(H) if par is not None
@@ -528,7 +527,6 @@ class Runner:
             if not free:
                 raise RuntimeError(f"KDA journal full (more decoding requests than request slots in group {group})")
             e = self._journal_row[rid] = free.pop()
-            self._journal_group[rid] = group
         return e
 
     def _sampler(self, R: int):
@@ -567,7 +565,7 @@ class Runner:
             self._table_free.append(i)
         e = self._journal_row.pop(rid, None)
         if e is not None:
-            self._journal_free[self._journal_group.pop(rid)].append(e)
+            self._journal_free[e // self._journal_per_group].append(e)
 
     def check_table(self, requests) -> None:
         """The device token table equals the one built from the host's histories, for every
