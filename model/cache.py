@@ -6,7 +6,9 @@ Layouts (allocated here; the engine's ``CacheManager`` holds the live arrays as 
                                              channels q|k|v, or rank-major when the KDA heads
                                              are split over G ranks (``conv_rank_major``)
   mla_kv    [nM, pages, page_size, Wp] (model dtype)   latent rows: kv_lora_rank + rope, zeros
-                                                        up to Wp = cfg.mla_pool_width
+                                                        up to Wp = cfg.mla_pool_width; nM counts
+                                                        the target's MLA layers, then a draft
+                                                        model's (``cfg.draft_kv_layers``)
 
 A running sequence owns one slot (``slot_ids``) and the pages listed in its row of
 ``page_table``. A row with ``start_pos == 0`` starts from a zero KDA state and conv window
@@ -86,7 +88,7 @@ def conv_groups_of(conv_pool) -> int:
 
 
 def cache_shapes(cfg, num_slots: int, num_pages: int, page_size: int, dtype) -> dict:
-    nK, nM = len(cfg.kda_layers), len(cfg.mla_layers)
+    nK, nM = len(cfg.kda_layers), len(cfg.mla_layers) + getattr(cfg, "draft_kv_layers", 0)
     H, dk = cfg.kda_num_heads, cfg.kda_head_dim
     return {
         "kda_state": ((nK, num_slots, H, dk, dk), jnp.float32),

@@ -74,6 +74,9 @@ class K3Config:
     # "reference" (pure JAX), "pallas" (TPU) or "pallas-interpret" (Pallas TPU kernels run
     # by the interpreter: CPU tests)
     kernels: str = "reference"
+    # latent layers of a draft model's context KV kept in the MLA pool after the target's own
+    # (speculative decoding with DSpark, ``server/spec/dspark_drafting.py``): set by the engine
+    draft_kv_layers: int = 0
 
     # ------------------------------------------------------------------ derived
     @property

@@ -54,7 +54,9 @@ each alone; seeded sampling is a pure function of (seed, step, logits) and uses 
 keys. What is *not* proven: agreement with the released checkpoint or any other
 implementation's outputs (no trained weights exist here), that the tap definition and the
 chosen mask token match what the draft was trained with, and anything about acceptance rates.
-Not wired into the engine (target taps, draft KV pages, P/D shipping of the context KV).
+The engine drafts with it (``server/spec/dspark_drafting.py``): its context KV lives in the
+target's MLA pool (extra layers after the target's, the same pages), written by
+:meth:`write_context` after every step, and :meth:`propose_paged` reads it there.
 """
 from __future__ import annotations
 
@@ -158,6 +160,45 @@ class DSparkAttention(nnx.Module):
         return self.o_proj(o.astype(x.dtype))
 
 
+    def attend_paged(self, x, positions, pool, layer, page_table, ctx_lens, backend: str = "reference"):
+        """:meth:`__call__` with the context rows in a paged pool: block queries ``x [R, S, D]``
+        at ``positions [R, S]``; row ``r``'s context is its first ``ctx_lens[r]`` positions in
+        layer ``layer`` of ``pool [layers, pages, page_size, W]`` through ``page_table [R, P]``
+        (rows written by :meth:`DSparkDraft.write_context`; ``ctx_lens`` 0: no context). The
+        context part runs as ragged paged MLA attention (``kernels.ops.mla_write_attend``, the
+        target's kernel; every block query of a row sees the whole context), the block's own
+        rows densely, and the two softmax partials merge by their log-sum-exp."""
+        from ..kernels import ops
+
+        cfg = self.cfg
+        R, S, _ = x.shape
+        H, nope, Rr, dv, Lr = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                               cfg.v_head_dim, cfg.kv_lora_rank)
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).reshape(R, S, H, nope + Rr)
+        q_nope, q_pe = q[..., :nope].astype(F32), apply_rope(q[..., nope:], positions, cfg)
+        w = self.kv_b_proj.weight[...].astype(F32).reshape(H, nope + dv, Lr)
+        q_lat = jnp.einsum("bshn,hnl->bshl", q_nope, w[:, :nope])
+        # the context: R rows of S queries each, all at the row's last context position
+        ctx_lens = jnp.asarray(ctx_lens, jnp.int32)
+        rows = jnp.arange(R, dtype=jnp.int32)
+        out_c, lse_c, _ = ops.mla_write_attend(
+            q_lat.reshape(R * S, H, Lr), q_pe.reshape(R * S, H, Rr), None, pool, layer, page_table,
+            jnp.repeat(rows, S), jnp.repeat(ctx_lens - 1, S), ctx_lens, jnp.arange(R + 1, dtype=jnp.int32) * S,
+            jnp.full((R,), S, jnp.int32), cfg.softmax_scale, Lr, backend=backend, return_lse=True)
+        out_c, lse_c = out_c.reshape(R, S, H, Lr), lse_c.reshape(R, S, H)
+        # the block's own rows (non-causal)
+        blk = self.latent_rows(x, positions).astype(F32)
+        c_b, pe_b = blk[..., :Lr], blk[..., Lr:]
+        s = (jnp.einsum("bshl,btl->bsht", q_lat, c_b) + jnp.einsum("bshr,btr->bsht", q_pe, pe_b)) * cfg.softmax_scale
+        lse_b = jax.nn.logsumexp(s, axis=-1)
+        out_b = jnp.einsum("bsht,btl->bshl", jnp.exp(s - lse_b[..., None]), c_b)
+        m = jnp.maximum(lse_c, lse_b)  # lse_b is finite: every query sees the block
+        wc, wb = jnp.exp(lse_c - m), jnp.exp(lse_b - m)
+        o_lat = (out_c * wc[..., None] + out_b * wb[..., None]) / (wc + wb)[..., None]
+        o = jnp.einsum("bshl,hvl->bshv", o_lat, w[:, nope:]).reshape(R, S, H * dv)
+        return self.o_proj(o.astype(x.dtype))
+
+
 class DSparkLayer(nnx.Module):
     """Plain pre-norm residual decoder layer: no KDA, no MoE, no AttnRes."""
 
@@ -170,6 +211,11 @@ class DSparkLayer(nnx.Module):
 
     def __call__(self, h, positions, ctx_rows, ctx_valid):
         h = h + self.self_attn(self.input_layernorm(h), positions, ctx_rows, ctx_valid)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def paged(self, h, positions, *pool_args, backend: str = "reference"):
+        """:meth:`__call__` with the context in a paged pool (``DSparkAttention.attend_paged``)."""
+        h = h + self.self_attn.attend_paged(self.input_layernorm(h), positions, *pool_args, backend=backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -217,6 +263,35 @@ class DSparkDraft(nnx.Module):
         model dtype. Row-wise: chunks computed separately concatenate (axis 2) to the whole."""
         c = self.context_hidden(taps)
         return jnp.stack([layer.self_attn.latent_rows(c, positions) for layer in self.layers], axis=1)
+
+    def write_context(self, taps, positions, tok_row, page_table, pool, layer0: int):
+        """Write the context KV of a flattened step's tokens into the paged pool: ``taps [T,
+        n_taps * Dt]`` at ``positions [T]``, token ``t`` of row ``tok_row[t]`` (outside ``[0, R)``:
+        padding, dropped) through ``page_table [R, P]``; draft layer ``l`` goes to pool layer
+        ``layer0 + l``, its rows zero-padded to the pool's width. Returns the pool."""
+        from ..kernels.mla_ragged import write_kv_rows
+
+        T, W = taps.shape[0], pool.shape[-1]
+        rows = self.context_kv(taps[None], positions[None])[0]  # [L, T, Lr + R]
+        pad = W - rows.shape[-1]
+        if pad < 0:
+            raise ValueError(f"the draft's context rows are {rows.shape[-1]} wide, the pool's {W}")
+        for l in range(self.cfg.num_hidden_layers):
+            r = jnp.pad(rows[l], ((0, 0), (0, pad))) if pad else rows[l]
+            pool = write_kv_rows(pool, r, page_table, tok_row, positions, layer=layer0 + l)
+        return pool
+
+    def propose_paged(self, anchor_tokens, anchor_positions, ctx_lens, page_table, pool, layer0: int,
+                      embed_tokens, lm_head, backend: str = "reference"):
+        """:meth:`propose` with the context KV in a paged pool (:meth:`write_context`): base
+        logits ``[R, block_size, V]`` float32; row ``r`` reads its first ``ctx_lens[r]``
+        positions (0: a row that proposes nothing; its logits are computed and meaningless)."""
+        positions = self.block_positions(anchor_positions)
+        h = jnp.take(embed_tokens, self.block_tokens(anchor_tokens), axis=0).astype(self.dtype)
+        for l, layer in enumerate(self.layers):
+            h = layer.paged(h, positions, pool, layer0 + l, page_table, ctx_lens, backend=backend)
+        h = self.final_norm(h)
+        return jnp.einsum("bsd,vd->bsv", h.astype(F32), lm_head.astype(F32))
 
     # -------------------------------------------------------------- block
     def block_positions(self, anchor_positions):

@@ -143,7 +143,7 @@ def _kda_inputs(layer: AttnBlock, a_in) -> tuple:
     return (*layer.self_attn.project(a_in), *layer.self_attn.core_params())
 
 
-def _layer_in(layer: AttnBlock, st: dict, kda_rows, ctx: _Step, aux, kda_core: bool = True):
+def _layer_in(layer: AttnBlock, st: dict, kda_rows, ctx: _Step, aux, kda_core: bool = True, want_x: bool = False):
     """First half of an attention sublayer, before the MLA pool write: the AttnRes mix (or
     the residual) and the input norm; a KDA layer's whole attention; an MLA layer's latent rows.
 
@@ -152,19 +152,21 @@ def _layer_in(layer: AttnBlock, st: dict, kda_rows, ctx: _Step, aux, kda_core: b
     the latent rows to write (MLA) or ``None``; the KDA outputs (conv, state, snapshot conv,
     snapshot state) or ``None``. In the scan every big buffer (the MLA pool, the KDA rows of
     all layers) stays outside the ``lax.switch`` that runs this: a switch's outputs are new
-    buffers, so a pool passed through it would be copied once per layer."""
+    buffers, so a pool passed through it would be copied once per layer. ``want_x``: a fourth
+    output, the pre-norm input ``x`` (the AttnRes mix this layer reads; a draft model's tap)."""
     p = ctx.pin(st["p"])
     x = attn_res_bank(ctx.pin(st["bank"], p), st["count"], p, layer.self_attention_res, ctx.eps) if ctx.attn_res else p
     x = ctx.pin(x)
     a_in = ctx.gather(layer.input_layernorm(x).astype(ctx.dtype))
     if aux is not None:
         aux["attn_in"] = x
+    xs = (x,) if want_x else ()
     if layer.kind == "kda" and not kda_core:  # the core runs on the pools, outside the switch
-        return a_in, None, None
+        return (a_in, None, None) + xs
     if layer.kind == "kda":
         out, new = layer.self_attn.flat(a_in, kda_rows[0], kda_rows[1], ctx.fb, aux, par=ctx.par, drafts=ctx.drafts)
-        return ctx.scatter(out).astype(ctx.dtype), None, new
-    return a_in, layer.self_attn.latent_rows(a_in), None
+        return (ctx.scatter(out).astype(ctx.dtype), None, new) + xs
+    return (a_in, layer.self_attn.latent_rows(a_in), None) + xs
 
 
 def _attn_out(layer: AttnBlock, t, kv, mla_layer, ctx: _Step):
@@ -264,7 +266,7 @@ class KimiLM(nnx.Module):
         return logits, out[1], rec
 
     def step(self, fb: FlatBatch, cache: Cache, capture: bool = False, par=None, all_logits: bool = False,
-             unroll: bool = False, journal=None):
+             unroll: bool = False, journal=None, taps: tuple | None = None):
         """One flattened step (:mod:`model.step`): ``(logits [R, vocab], new_cache)`` at each
         row's ``logits_idx`` (``[T, vocab]`` for every token with ``all_logits``), plus a
         per-token record with ``capture``. The layers run as one scan (``model.layer_plan``);
@@ -275,8 +277,20 @@ class KimiLM(nnx.Module):
         running request. The step first folds each row's ``fb.fold_len`` accepted drafts into
         its state and conv window, then journals its decode rows' drafts in entry ``fb.jrow``;
         it returns ``(logits [R * n, vocab], new_cache, new_journal)``, logits at every entry of
-        ``fb.logits_idx`` ``[R, n]``."""
+        ``fb.logits_idx`` ``[R, n]``.
+
+        ``taps`` (a draft model's conditioning, ``model/dspark.py``): ``(layer_ids, stream)``;
+        one more output, the hidden states of those layers at every token, ``[T, len(ids) * D]``
+        float32 in ``layer_ids`` order. ``stream`` ``"attn_res"``: what the next consumer reads
+        (layer ``i + 1``'s AttnRes mix before its input norm; after the last layer the output
+        mix), as SGLang captures it; ``"prefix"``: the residual stream after layer ``i`` (the
+        block's prefix sum under AttnRes). Without AttnRes both are the residual stream."""
         cfg, plan = self.cfg, self.plan
+        if taps is not None and (capture or par is not None):
+            raise ValueError("target taps are not supported with capture or under a recipe")
+        tap_ids, tap_stream = taps if taps is not None else ((), "prefix")
+        tap_index = {l: j for j, l in enumerate(tap_ids)}
+        n_taps = len(tap_ids)
         kda_idx = {l: j for j, l in enumerate(cfg.kda_layers)}
         mla_idx = {l: j for j, l in enumerate(cfg.mla_layers)}
         drafts = 0 if journal is None else journal[0].shape[2]
@@ -319,6 +333,15 @@ class KimiLM(nnx.Module):
             carry["bank"] = jnp.zeros((cfg.num_attn_res_blocks,) + h.shape, F32)
             carry["count"] = jnp.int32(0)
         L = plan.num_layers
+        if n_taps:
+            if max(tap_ids) >= L:
+                raise ValueError(f"target taps {list(tap_ids)} reach past the model's {L} layers")
+            carry["taps"] = jnp.zeros((n_taps,) + h.shape, F32)
+        # where layer l's tap is written: its input x taps layer l - 1 ("attn_res"), its output p layer l
+        tap_in = np.array([tap_index.get(l - 1, n_taps) if tap_stream == "attn_res" else n_taps
+                           for l in range(L)], np.int32)
+        tap_out = np.array([tap_index.get(l, n_taps) if tap_stream != "attn_res" else n_taps
+                            for l in range(L)], np.int32)
         kda_of = np.array([kda_idx.get(l, 0) for l in range(L)], np.int32)
         mla_of = np.array([mla_idx.get(l, 0) for l in range(L)], np.int32)
         if fused_kda:  # under a recipe each rank's block of the conv pool is its heads' q|k|v
@@ -367,10 +390,13 @@ class KimiLM(nnx.Module):
         H_mla, Lr, Rr = cfg.mla_num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
 
         def half_in(a, st, conv, state, row, aux=None, pad=False):
-            """Static attention type ``a``: ``(t, lat, new, q)``; with ``pad`` every output is
-            present (zeros where the type has none), as the switch's branches must agree."""
+            """Static attention type ``a``: ``(t, lat, new, q, x)``; with ``pad`` every output is
+            present (zeros where the type has none), as the switch's branches must agree. ``x``
+            (the layer's pre-norm input) only when a layer's input is tapped, else ``None``."""
             layer = attn_at(a, row)
-            t, lat, new = _layer_in(layer, st, (conv, state), ctx, aux, kda_core=not fused_kda)
+            t, lat, new, *x = _layer_in(layer, st, (conv, state), ctx, aux, kda_core=not fused_kda,
+                                        want_x=bool(n_taps) and tap_stream == "attn_res")
+            x = x[0] if x else None
             q = layer.self_attn.queries(t) if fused_mla and layer.kind == "mla" else None
             if pad and fused_mla and q is None:
                 q = (jnp.zeros((T, H_mla, Lr), F32), jnp.zeros((T, H_mla, Rr), t.dtype))
@@ -379,11 +405,11 @@ class KimiLM(nnx.Module):
             if fused_kda:  # the KDA inputs ride in ``new``
                 new = _kda_inputs(layer, t) if layer.kind == "kda" else (
                     tuple(jnp.zeros(s.shape, s.dtype) for s in kin_shapes) if pad else None)
-                return t, (None if lat is None else lat.astype(kv_dtype)), new, q
+                return t, (None if lat is None else lat.astype(kv_dtype)), new, q, x
             if pad and n_kda and new is None:
                 new = tuple(jnp.zeros(shape, F32) for shape in kda_shapes)
             return t, (None if lat is None else lat.astype(kv_dtype)), (None if new is None else tuple(
-                v.astype(F32) for v in new)), q
+                v.astype(F32) for v in new)), q, x
 
         def attn_out(a, t, kv, row, mla_j, out_lat=None, o_kda=None):
             layer = attn_at(a, row)
@@ -405,7 +431,13 @@ class KimiLM(nnx.Module):
                 return fn(i, *args)
             return jax.lax.switch(i, [functools.partial(fn, j) for j in range(n)], *args)
 
-        def layer_step(carry, a, a_row, f, f_row, flag, kda_j, mla_j, aux=None):
+        def put_tap(carry, j, v):
+            """Tap slot ``j`` := ``v`` (``j == n_taps``: no tap; static or traced)."""
+            if not n_taps or (isinstance(j, (int, np.integer)) and j >= n_taps):
+                return carry
+            return dict(carry, taps=carry["taps"].at[j].set(v.astype(F32), mode="drop"))
+
+        def layer_step(carry, a, a_row, f, f_row, flag, kda_j, mla_j, aux=None, tin=None, tout=None):
             """One layer: types and rows static (unrolled) or traced (scan)."""
             static = isinstance(a, int)
             is_kda = bool(attn_is_kda[a]) if static else jnp.asarray(attn_is_kda)[a]
@@ -415,10 +447,12 @@ class KimiLM(nnx.Module):
             if n_kda and not fused_kda:
                 conv, state = carry["conv"][kda_j], carry["state"][kda_j]
             if static:
-                t, lat, new, q = half_in(a, st, conv, state, a_row, aux)
+                t, lat, new, q, x = half_in(a, st, conv, state, a_row, aux)
             else:
-                t, lat, new, q = branch(functools.partial(half_in, pad=True), n_attn, a, st, conv, state, a_row)
+                t, lat, new, q, x = branch(functools.partial(half_in, pad=True), n_attn, a, st, conv, state, a_row)
             carry = dict(carry)
+            if x is not None:
+                carry = put_tap(carry, tin, x)
             o_kda = None
             if fused_kda and (is_kda is not False):  # a non-KDA layer's rows have no tokens
                 q_lens = fb.q_lens if is_kda is True else jnp.where(is_kda, fb.q_lens, 0)
@@ -463,22 +497,24 @@ class KimiLM(nnx.Module):
             out = branch(attn_out, n_attn, a, t, None if fused_mla else carry["kv"], a_row, mla_j, out_lat, o_kda)
             p = ffn(f, out, st, f_row, aux) if static else branch(ffn, n_ffn, f, out, st, f_row)
             carry.update(st, p=p)
-            return carry
+            return put_tap(carry, tout, p)
 
         records: list = []
         if capture or unroll:
             for l in range(L):
                 aux = {} if capture else None
                 carry = layer_step(carry, *plan.locate(l, "attn"), *plan.locate(l, "ffn"), boundary(l),
-                                   int(kda_of[l]), int(mla_of[l]), aux)
+                                   int(kda_of[l]), int(mla_of[l]), aux, int(tap_in[l]), int(tap_out[l]))
                 if aux is not None:
                     records.append(aux)
         else:
             xs = {"a": np.array(plan.attn_of, np.int32), "a_row": np.array(plan.attn_row, np.int32),
                   "f": np.array(plan.ffn_of, np.int32), "f_row": np.array(plan.ffn_row, np.int32),
-                  "flag": np.array([boundary(l) for l in range(L)]), "kda": kda_of, "mla": mla_of}
+                  "flag": np.array([boundary(l) for l in range(L)]), "kda": kda_of, "mla": mla_of,
+                  "tin": tap_in, "tout": tap_out}
             carry, _ = jax.lax.scan(lambda c, x: (layer_step(c, x["a"], x["a_row"], x["f"], x["f_row"], x["flag"],
-                                                             x["kda"], x["mla"]), None), carry, xs)
+                                                             x["kda"], x["mla"], None, x["tin"], x["tout"]), None),
+                                    carry, xs)
 
         kda_state, kda_conv = cache.kda_state, cache.kda_conv
         if fused_kda:
@@ -500,6 +536,13 @@ class KimiLM(nnx.Module):
                 else:  # per device, in the layout it came in (the AOT programs fix it)
                     journal = par.put_entries(journal, at, tuple(carry[n] for n in JOURNAL_KEYS))
         p, bank = carry["p"], carry.get("bank")
+        tapped = None
+        if n_taps:
+            tap_all = carry["taps"]
+            if tap_stream == "attn_res" and (L - 1) in tap_index:  # the last layer's consumer: the output mix
+                last = attn_res_bank(bank, carry["count"], p, self.output_attn_res, ctx.eps) if cfg.uses_attn_res else p
+                tap_all = tap_all.at[tap_index[L - 1]].set(last.astype(F32))
+            tapped = jnp.moveaxis(tap_all, 0, 1).reshape(p.shape[0], -1)
         if not all_logits and not capture:  # only the tokens that are sampled
             at = jnp.maximum(fb.logits_idx.reshape(-1), 0)
             p = p[at]
@@ -511,10 +554,11 @@ class KimiLM(nnx.Module):
         logits = jnp.einsum("td,vd->tv", normed, self.lm_head.weight[...].astype(normed.dtype),
                             preferred_element_type=jnp.float32)
         new_cache = Cache(kda_state=kda_state, kda_conv=kda_conv, mla_kv=carry["kv"])
+        extra = () if tapped is None else (tapped,)
         if journal is not None and not capture:
-            return logits, new_cache, journal
+            return (logits, new_cache, journal) + extra
         if not capture:
-            return logits, new_cache
+            return (logits, new_cache) + extra
         rec = {"embed": h, "layers": records, "attnres_out": out, "final_norm_out": normed,
                "block_residual": None if bank is None else jnp.moveaxis(bank, 0, -2)}
         return logits, new_cache, rec

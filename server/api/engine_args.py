@@ -38,9 +38,12 @@ def prefix_kwargs(args) -> dict:
 
 def add_spec_flags(p) -> None:
     g = p.add_argument_group("speculative decoding (off by default; docs/speculative.md)")
-    g.add_argument("--speculative", choices=("ngram", "suffix"), default=None,
-                   help="draft with prompt lookup (ngram) or suffix decoding (suffix); greedy and seeded "
-                        "outputs are exactly those without speculation")
+    g.add_argument("--speculative", choices=("ngram", "suffix", "dspark"), default=None,
+                   help="draft with prompt lookup (ngram), suffix decoding (suffix) or a DSpark draft model "
+                        "(dspark, with --draft-model); greedy and seeded outputs are exactly those without "
+                        "speculation")
+    g.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="the DSpark draft checkpoint (config.json + safetensors) for --speculative dspark")
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="most drafts a decode row carries (k)")
     g.add_argument("--speculative-max-rows", type=int, default=None,
                    help="no drafts in a step while more requests than this run (default: always draft)")
@@ -49,10 +52,20 @@ def add_spec_flags(p) -> None:
 def spec_kwargs(args) -> dict:
     """Engine keyword arguments of the speculative flags (``add_spec_flags``)."""
     method = getattr(args, "speculative", None)
+    draft_dir = getattr(args, "draft_model", None)
     if not method:
+        if draft_dir:
+            raise SystemExit("--draft-model needs --speculative dspark")
         return {}
-    return dict(speculative={"method": method, "num_speculative_tokens": args.num_speculative_tokens,
-                             "max_rows": args.speculative_max_rows})
+    spec = {"method": method, "num_speculative_tokens": args.num_speculative_tokens,
+            "max_rows": args.speculative_max_rows}
+    if method == "dspark":
+        if not draft_dir:
+            raise SystemExit("--speculative dspark needs --draft-model DIR")
+        spec["draft_model"] = draft_dir
+    elif draft_dir:
+        raise SystemExit(f"--draft-model is for --speculative dspark, not {method}")
+    return dict(speculative=spec)
 
 
 def pd_handoff_bytes(args) -> int:

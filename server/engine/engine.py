@@ -83,9 +83,23 @@ class Engine:
 
         cfg = model.config
         spec_k, spec_rows = 0, None
+        draft = None
         if speculative is not None:
             spec_k = int(speculative.get("num_speculative_tokens", 0))
             spec_rows = speculative.get("max_rows")
+            if speculative.get("method") == "dspark":  # its context rows live in the target's pages
+                from ..spec.dspark_drafting import load_draft, with_draft_pool
+
+                why = ("a recipe" if recipe is not None else f"a P/D role ({pd_role})" if pd_role else
+                       "an abstract (compile-only) engine" if abstract else None)
+                if why:
+                    raise ValueError(f"speculative method 'dspark' is not supported with {why} yet "
+                                     "(docs/speculative.md); use 'ngram' or 'suffix'")
+                if not speculative.get("draft_model"):
+                    raise ValueError("speculative method 'dspark' needs draft_model (a DSpark checkpoint directory)")
+                draft = load_draft(speculative["draft_model"], cfg, model.dtype, spec_k)
+                model = with_draft_pool(model, draft)
+                cfg = model.config
             if drafter is None:
                 from ..spec.drafting import make_drafter
 
@@ -165,7 +179,8 @@ class Engine:
         self.runner = Runner(model, self.cache_mgr, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                              max_logprobs=max_logprobs, par=self.par, bucket_growth=bucket_growth,
-                             dispatch=self.dispatch, abstract=abstract, num_speculative_tokens=spec_k)
+                             dispatch=self.dispatch, abstract=abstract, num_speculative_tokens=spec_k,
+                             draft=draft)
         self.requests: dict[str, Request] = {}
         self.broken: BaseException | None = None  # a step failed: the state is half-updated, no more steps
         self._owed: dict[str, Request] = {}  # finished outside a step (abort): final output owed
@@ -465,6 +480,8 @@ class Engine:
             touched[req.rid] = req
             if out.accepted is not None:  # speculative: the accepted drafts and one token more
                 self._take_verified(req, row, out, i)
+                if out.drafts is not None and not req.finished:  # DSpark: the block proposed after them
+                    self.drafter.offer(req, out.drafts[i])
                 continue
             tok = int(out.tokens[i])
             self._append(req, tok, out, i)

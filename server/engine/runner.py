@@ -121,6 +121,7 @@ class HostSample:
     top_ids: np.ndarray
     top_logprobs: np.ndarray
     accepted: np.ndarray | None = None  # speculative: drafts accepted per row (tokens etc. are [rows, n])
+    drafts: np.ndarray | None = None  # DSpark: each row's next block, proposed on the device [rows, block]
 
 
 @dataclasses.dataclass
@@ -143,17 +144,18 @@ class InFlight:
             t = time.perf_counter()
             got = jax.device_get(self.out)
             self.runner.wait_s += time.perf_counter() - t
-            got, accepted = got if isinstance(got, tuple) else (got, None)
+            got, accepted, drafts = (got + (None,))[:3] if isinstance(got, tuple) else (got, None, None)
             self._host = HostSample(**{name: np.asarray(getattr(got, name))[self.index]
                                        for name in ("tokens", "logprob", "top_ids", "top_logprobs")},
-                                    accepted=None if accepted is None else np.asarray(accepted)[self.index])
+                                    accepted=None if accepted is None else np.asarray(accepted)[self.index],
+                                    drafts=None if drafts is None else np.asarray(drafts)[self.index])
         return self._host
 
 
 class Runner:
     def __init__(self, model, cache_mgr, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  max_logprobs: int = 20, par=None, bucket_growth: int = 8, dispatch=None, abstract: bool = False,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, draft=None):
         """``abstract``: the cache manager's device cache is ``ShapeDtypeStruct``s (compiling for
         another platform, ``aot_build``): the runner's own arrays (token table, zero tokens) are
         too, on the cache's devices, and nothing is placed or run.
@@ -162,7 +164,12 @@ class Runner:
         (``docs/speculative.md``). The runner then keeps the KDA journal (an entry per running
         request, ``model.k3.journal_shapes``) beside the cache and donates it to each step;
         a step samples every verify position (``R * (k + 1)`` logits) and accepts on the
-        device (``server/spec/accept.py``)."""
+        device (``server/spec/accept.py``).
+
+        ``draft`` (a ``model.dspark.DSparkDraft``; ``server/spec/dspark_drafting.py``): every
+        step runs the speculative program, which also returns the target's taps, and a draft
+        program after the sampling writes the step's context rows into the pool's draft layers
+        and proposes each row's next block (``HostSample.drafts``)."""
         from .dispatch import LocalDispatch
 
         self.model = model
@@ -192,6 +199,15 @@ class Runner:
         self.n_pos = k + 1  # verify positions of a decode row
         self.journal = None
         self._journal_row: dict[str, int] = {}
+        self.draft = draft
+        self._taps = None
+        if draft is not None:
+            if not k:
+                raise ValueError("a draft model needs num_speculative_tokens >= 1")
+            self._draft_graph, self._draft_params = nnx.split(draft)
+            self._taps = (tuple(draft.cfg.target_layer_ids), draft.cfg.aux_hidden_stream)
+            self._draft_layer0 = len(model.config.mla_layers)
+            self._draft_fns: dict = {}  # token bucket -> jitted draft program
         if k:
             from ...model.k3 import journal_shapes
 
@@ -261,15 +277,17 @@ class Runner:
                            snap_row=snap[0], snap_len=snap[1], snap_slot=snap[2], decode=col["decode"] != 0)
             if journal is not None:  # speculative: every verify position is sampled
                 fb = dataclasses.replace(fb, logits_idx=m["lidx"], fold_len=col["fold"], jrow=col["jrow"])
-                logits, cache, journal = nnx.merge(graphdef, params).step(fb, cache, par=par,
-                                                                          unroll=self.unroll_layers, journal=journal)
+                got = nnx.merge(graphdef, params).step(fb, cache, par=par, unroll=self.unroll_layers,
+                                                       journal=journal, taps=self._taps)
+                logits, cache, journal = got[:3]
+                taps = got[3:]  # DSpark: the target's hidden states at the draft's layers
                 # the sampler's view of the drafts: each row's tokens 1 .. k, and the suppression per position
                 # (by the rows' global first tokens: under attention DP ``cu_q_lens`` counts within a group)
                 at = jnp.minimum(col["first_tok"][:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :], lay.T - 1)
                 spec = jnp.concatenate([ids[at], m["supp"]], axis=1)
                 if par is not None:
                     cache = par.pin_cache(cache)
-                return logits, cache, rows, spec, journal
+                return (logits, cache, rows, spec, journal) + taps
             logits, cache = nnx.merge(graphdef, params).step(fb, cache, par=par, unroll=self.unroll_layers)
             if par is not None:  # the cache goes out in the layout it came in (warm-up's AOT programs fix it)
                 cache = par.pin_cache(cache)
@@ -328,6 +346,19 @@ class Runner:
                                  check_vma=False)(logits, rows, table)
 
         self._step_fn = fn
+
+        def draft_fn(dparams, params, cache, meta, taps, acc, last, *, lay: _Layout):
+            """The DSpark program of a step (``spec.dspark_drafting.draft_block``)."""
+            from ..spec.dspark_drafting import draft_block
+
+            m = lay.split(meta)
+            rows = m["rows"]
+            fl = jax.lax.bitcast_convert_type(rows[:, len(_COLS):], jnp.float32)
+            return draft_block(nnx.merge(self._draft_graph, dparams), nnx.merge(graphdef, params), cache, m["tok"],
+                               _columns(rows), m["table"], fl, acc, last, taps, self._draft_layer0,
+                               model.config.kernels)
+
+        self._draft_body = draft_fn
         self._sample_jit = programs.jit(sample_fn, "sample", donate_argnums=(2,))
         self._sample_spec_jit = {u: programs.jit(functools.partial(sample_spec, use_table=u), "sample",
                                                  donate_argnums=(3,)) for u in (False, True)} if k else {}
@@ -379,8 +410,8 @@ class Runner:
         # a speculating engine runs a step on its speculative program only when a row carries
         # drafts or has accepted drafts to fold; otherwise the plain program does the same work
         # for fewer logits, no journal and plain sampling
-        spec = self.n_pos > 1 and any(getattr(r, "drafts", ()) or (getattr(r, "decode", False) and r.req.spec_fold)
-                                      for r in rows)
+        spec = self.n_pos > 1 and (self.draft is not None or any(
+            getattr(r, "drafts", ()) or (getattr(r, "decode", False) and r.req.spec_fold) for r in rows))
         lay = self.layout(Tg, spec)
         meta = np.zeros(lay.size, np.int32)
         m = lay.split(meta)
@@ -485,11 +516,16 @@ class Runner:
             raise RuntimeError(f"step {prev_step}'s tokens are gone (only {sorted(self._step_tokens)} are kept)")
         fn = self._compiled.get((T, spec)) or self._jit(T, spec)
         if spec:
-            logits, self.cache_mgr.device_cache, rows_dev, drafts, self.journal = fn(
-                self.model.params, self.cache_mgr.device_cache, jax.device_put(meta, self._meta_sharding), prev_tokens,
-                self.journal)
+            meta_dev = jax.device_put(meta, self._meta_sharding)
+            logits, self.cache_mgr.device_cache, rows_dev, drafts, self.journal, *taps = fn(
+                self.model.params, self.cache_mgr.device_cache, meta_dev, prev_tokens, self.journal)
             out, tokens, self.table = self._spec_sampler(self.layout(T).R, use_table)(logits, rows_dev, drafts,
                                                                                       self.table)
+            if self.draft is not None:  # the next blocks, proposed after this step's tokens
+                block, self.cache_mgr.device_cache = self._draft_jit(T)(
+                    self._draft_params, self.model.params, self.cache_mgr.device_cache, meta_dev, taps[0], out[1],
+                    tokens)
+                out = (*out, block)
         else:
             logits, self.cache_mgr.device_cache, rows_dev = fn(
                 self.model.params, self.cache_mgr.device_cache, jax.device_put(meta, self._meta_sharding),
@@ -512,6 +548,14 @@ class Runner:
         if f is None:
             f = self._fns[(T, spec)] = self.programs.jit(functools.partial(self._step_fn, lay=self.layout(T, spec)),
                                                          "step", donate_argnums=(1, 4) if spec else (1,))
+        return f
+
+    def _draft_jit(self, T: int):
+        """The DSpark program of bucket ``T`` (the cache donated)."""
+        f = self._draft_fns.get(T)
+        if f is None:
+            f = self._draft_fns[T] = self.programs.jit(functools.partial(self._draft_body, lay=self.layout(T, True)),
+                                                       "draft", donate_argnums=(2,))
         return f
 
     def _spec_sampler(self, R: int, use_table: bool):
@@ -596,9 +640,12 @@ class Runner:
         sampling program per distinct row count, and the small programs warm-up compiled
         (``warm_fixed``: cache copies, reads and loads, the token-table row)."""
         buckets = list(buckets)
-        per = 2 if self.journal is not None else 1  # a speculating engine: the plain and the speculative program
-        samplers = len({self.layout(T).R for T in buckets}) * (3 if self.journal is not None else 1)
-        return per * len(buckets) + samplers + self.warm_fixed
+        # a speculating engine: the plain and the speculative program (DSpark: the speculative one)
+        per = 1 if self.journal is None or self.draft is not None else 2
+        samplers = len({self.layout(T).R for T in buckets}) * (
+            1 if self.journal is None else 2 if self.draft is not None else 3)
+        drafts = len(buckets) if self.draft is not None else 0  # DSpark: a draft program per bucket
+        return per * len(buckets) + samplers + drafts + self.warm_fixed
 
     def warm_table_row(self) -> None:
         """Compile the token-table row write (one program: the row is always ``[V]``) by
@@ -637,7 +684,8 @@ class Runner:
 
         before = self.num_compiles
         # a speculating engine has two programs per bucket: the plain one and the speculative one
-        kinds = (False, True) if self.journal is not None else (False,)
+        # (a DSpark engine only the speculative one: every step writes the draft's context)
+        kinds = ((True,) if self.draft is not None else (False, True)) if self.journal is not None else (False,)
         shapes = [(T, sp) for T in self.shape_buckets() for sp in kinds if (T, sp) not in self._compiled]
         cpus = os.cpu_count() or 1
         workers = workers or (1 if cpus < 8 else min(8, cpus // 4))
@@ -652,7 +700,7 @@ class Runner:
                     for u in (False, True):
                         if (R, u) not in self._compiled_sample and (R, u) not in sfutures:
                             def spec_sampler(step=futures[(T, sp)], u=u):
-                                logits, _, rows, spec, _ = step.result().out_info
+                                logits, _, rows, spec = step.result().out_info[:4]
                                 return self._sample_spec_jit[u].lower(logits, rows, spec, self.table).compile()
 
                             sfutures[(R, u)] = ex.submit(spec_sampler)
@@ -674,10 +722,16 @@ class Runner:
         # run each program once (first-run allocations), with the cache and table flowing through
         for T, sp in shapes:
             if sp:
-                logits, self.cache_mgr.device_cache, rows, spec, self.journal = self._compiled[(T, sp)](
-                    self.model.params, self.cache_mgr.device_cache, *self._padding_args(T, sp))
+                meta, prev, journal = self._padding_args(T, sp)
+                logits, self.cache_mgr.device_cache, rows, spec, self.journal, *taps = self._compiled[(T, sp)](
+                    self.model.params, self.cache_mgr.device_cache, meta, prev, journal)
                 for u in (False, True):
-                    out, _, self.table = self._spec_sampler(self.layout(T).R, u)(logits, rows, spec, self.table)
+                    out, last, self.table = self._spec_sampler(self.layout(T).R, u)(logits, rows, spec, self.table)
+                if self.draft is not None:  # compiled here, on its first call
+                    block, self.cache_mgr.device_cache = self._draft_jit(T)(
+                        self._draft_params, self.model.params, self.cache_mgr.device_cache, meta, taps[0], out[1],
+                        last)
+                    jax.block_until_ready(block)
                 jax.block_until_ready(out)
                 continue
             logits, self.cache_mgr.device_cache, rows = self._compiled[(T, sp)](

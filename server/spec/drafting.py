@@ -12,6 +12,9 @@ call, so the engine never has to tell it what was accepted.
   request's trie is built over the last ``max_prompt_tokens`` of the prompt only: a trie node
   costs about 7 KB per token of non-repeating text, so a 100K-token prompt would hold ~700 MB.
 
+* ``dspark`` (``dspark_drafting.DSparkEngineDrafter``): the draft model proposes on the device
+  after each step; this keeps the last block per request and hands it out.
+
 :func:`make_drafter` builds one from the ``speculative`` settings (``method``,
 ``num_speculative_tokens`` and the method's options).
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 from .ngram import NgramIndex
 from .suffix import SuffixDrafter
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "dspark")
 
 
 class NgramEngineDrafter:
@@ -87,4 +90,11 @@ def make_drafter(settings: dict):
         return NgramEngineDrafter(k, **opts)
     if method == "suffix":
         return SuffixEngineDrafter(k, **opts)
+    if method == "dspark":  # the engine loads the draft model itself (``draft_model``)
+        from .dspark_drafting import DSparkEngineDrafter
+
+        opts.pop("draft_model", None)
+        if opts:
+            raise ValueError(f"unknown options for speculative method 'dspark': {sorted(opts)}")
+        return DSparkEngineDrafter(k)
     raise ValueError(f"unknown speculative method {method!r}; expected one of {', '.join(METHODS)}")
