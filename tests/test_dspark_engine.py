@@ -9,7 +9,8 @@ proves nothing; what is checked is that the wiring is exact):
   sequence (a one-pass trace of the target, the dense draft, greedy Markov head), with
   chunked prefill, batching and a prefix-cache hit between them;
 * greedy and seeded outputs equal plain decoding; the pool's pages pay for the draft's layers;
-  what is not supported is refused before anything is built.
+  a P/D pair ships the context rows with the pages; what is not supported is refused before
+  anything is built.
 """
 from __future__ import annotations
 
@@ -153,9 +154,6 @@ def test_paged_proposal_equals_dense(draft_dir):
 def test_blocks_equal_an_independent_recomputation(target, draft_dir):
     """Each block the engine proposed = the dense draft on a one-pass trace of the sequence it
     was proposed after; plain decoding's tokens; a prefix-cache hit in the second wave."""
-    import jax
-    import jax.numpy as jnp
-
     V = target.config.vocab_size
     prompts = _prompts(V)
     params = SamplingParams(max_new_tokens=10, temperature=0.0)
@@ -168,10 +166,18 @@ def test_blocks_equal_an_independent_recomputation(target, draft_dir):
     st = e.stats()
     assert st["spec_steps"] == e.runner.num_steps  # every step wrote the draft's context
     assert st["spec_draft_tokens"] > 0
+    assert len(rec.blocks) >= 20
+    _check_blocks(target, draft_dir, rec.blocks)
+
+
+def _check_blocks(target, draft_dir, blocks):
+    """Each ``(sequence, block)`` = the dense draft on a one-pass trace of the sequence."""
+    import jax
+    import jax.numpy as jnp
+
     draft = load_dspark(draft_dir)
     module = nnx.merge(target.graphdef, target.params)
     embed, lm_head = module.embed_tokens[...], module.lm_head.weight[...]
-    assert len(rec.blocks) >= 20
     C = 64  # the context padded to one length: one compile of the reference
 
     @jax.jit
@@ -180,13 +186,47 @@ def test_blocks_equal_an_independent_recomputation(target, draft_dir):
         base = draft.propose(anchor, n, ctx, n, embed, lm_head)
         return draft.sample_block(base, anchor)[0]
 
-    for seq, block in rec.blocks:
+    for seq, block in blocks:
         n = len(seq)
         assert n - 1 <= C
         taps = np.zeros((1, C, len(TAPS) * target.config.hidden_size), np.float32)
         taps[0, :n - 1] = _streams(target, seq[:-1])["prefix"]
         want = np.asarray(reference(jnp.asarray(taps), jnp.asarray([seq[-1]]), jnp.asarray([n - 1])))[0].tolist()
         assert block == want, (n, block, want)
+
+
+def test_pd_pair_ships_the_draft_context(target, draft_dir):
+    """A DSpark prefill engine hands over to a DSpark decode engine: the draft's context rows
+    travel in the pages (the decode's blocks equal the recomputation from the sequence alone),
+    the tokens equal plain decoding; a plain side and a DSpark side are told apart."""
+    from _util import run_to_end
+    from k3serve.server.engine.warm_programs import warm_small_programs
+    from k3serve.server.pd.layout import cache_layout, incompatibility
+
+    V = target.config.vocab_size
+    prompts = _prompts(V)[:2]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    plain, _ = _run(target, prompts, params)
+    kw = dict(SHAPE, num_pages=24)
+    pre = Engine(target, pd_role="prefill", speculative=_spec(draft_dir), **kw)
+    rec = RecordingDrafter(K)
+    dec = Engine(target, pd_role="decode", speculative=_spec(draft_dir), drafter=rec, **kw)
+    for e in (pre, dec):
+        warm_small_programs(e, e.pd_role)
+    rids = [pre.admit(pre.validate(p, params), params, rid=f"p{i}", export=True) for i, p in enumerate(prompts)]
+    outs = run_to_end(pre, rids)
+    drids = [dec.admit_prefilled(dec.validate(p, params), params, o.handoff, rid=f"d{i}")
+             for i, (p, o) in enumerate(zip(prompts, outs))]
+    got = run_to_end(dec, drids)
+    assert [o.token_ids for o in got] == plain
+    assert len(rec.blocks) >= 6
+    _check_blocks(target, draft_dir, rec.blocks)
+    for e in (pre, dec):
+        e.check_invariants()
+        assert e.cache_mgr.num_free_slots == e.capacity_plan.max_concurrent_slots
+    assert incompatibility(cache_layout(pre), cache_layout(dec)) is None
+    why = incompatibility(cache_layout(Engine(target, pd_role="decode", **kw)), cache_layout(pre))
+    assert why is not None and "dspark" in why
 
 
 def test_seeded_sampling_equals_plain(target, draft_dir):
@@ -215,8 +255,6 @@ def test_refused_before_anything_is_built(target, draft_dir, tmp_path):
         Engine(target, speculative={"method": "dspark", "num_speculative_tokens": 2}, **SHAPE)
     with pytest.raises(ValueError, match="recipe"):
         Engine(target, speculative=_spec(draft_dir), recipe="tp=1", **SHAPE)
-    with pytest.raises(ValueError, match="P/D"):
-        Engine(target, speculative=_spec(draft_dir), pd_role="prefill", **SHAPE)
     wrong = generate_dspark_checkpoint(tmp_path / "wide", tiny_dspark_config(
         target_layer_ids=TAPS, target_num_hidden_layers=10, kv_lora_rank=32, qk_rope_head_dim=8), seed=1)
     with pytest.raises(ValueError, match="MLA pool rows"):

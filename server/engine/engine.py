@@ -90,7 +90,7 @@ class Engine:
             if speculative.get("method") == "dspark":  # its context rows live in the target's pages
                 from ..spec.dspark_drafting import load_draft, with_draft_pool
 
-                why = ("a recipe" if recipe is not None else f"a P/D role ({pd_role})" if pd_role else
+                why = ("a recipe" if recipe is not None else
                        "an abstract (compile-only) engine" if abstract else None)
                 if why:
                     raise ValueError(f"speculative method 'dspark' is not supported with {why} yet "

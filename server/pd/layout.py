@@ -22,6 +22,8 @@ def cache_layout(engine) -> "pb.CacheLayout":
     shapes = cache_shapes(cfg, 1, 1, plan.page_size, engine.model.dtype)
     desc = {k: [list(s), str(np.dtype(d))] for k, (s, d) in sorted(shapes.items())}
     desc.update(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, layers=cfg.num_hidden_layers)
+    if getattr(cfg, "draft_kv_layers", 0):  # a DSpark pair: the draft's context rows ship with the pages
+        desc["draft_kv_layers"] = cfg.draft_kv_layers
     fp = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:32]
     return pb.CacheLayout(model_fingerprint=fp, page_size=plan.page_size, kv_dtype=str(np.dtype(engine.model.dtype)),
                           dcp_size=plan.dcp)
@@ -30,7 +32,9 @@ def cache_layout(engine) -> "pb.CacheLayout":
 def incompatibility(mine: "pb.CacheLayout", theirs: "pb.CacheLayout") -> str | None:
     """Why a handoff between the two layouts cannot work, or None."""
     if mine.model_fingerprint != theirs.model_fingerprint:
-        return "the two servers hold different models (cache fingerprints differ)"
+        return ("the two servers hold different models (cache fingerprints differ; a DSpark draft's "
+                "context rows are part of the cache, so both sides need the same --speculative dspark "
+                "--draft-model or neither)")
     if mine.page_size != theirs.page_size:
         return f"page sizes differ ({theirs.page_size} there, {mine.page_size} here)"
     if mine.kv_dtype != theirs.kv_dtype:

@@ -26,8 +26,12 @@ Where things live:
 Drafts never change what is emitted (verification keeps only tokens plain decoding would
 emit), so a wrong or stale proposal costs acceptance, never correctness.
 
+P/D: the context rows are pool layers, so a handoff ships them with the pages; both sides
+must run the same draft (the cache layout's fingerprint counts the draft's layers, and a
+plain side and a DSpark side refuse each other at bootstrap).
+
 Not supported yet, refused when the engine is built: a recipe (the taps and the draft under
-SPMD), a P/D role (shipping the draft's context rows with a handoff), ``k3serve compile``.
+SPMD), ``k3serve compile``.
 """
 from __future__ import annotations
 
