@@ -7,10 +7,12 @@ aborted or failed). The drafter feeds itself the tokens the request committed si
 call, so the engine never has to tell it what was accepted.
 
 * ``ngram`` (prompt lookup, ``ngram.NgramIndex``): one index per request over prompt + output.
-* ``suffix`` (``suffix.SuffixDrafter``): a suffix trie per request and one per tenant (the
-  prefix cache's tenant: ``cache_salt`` or the API key), never shared across tenants. The
-  request's trie is built over the last ``max_prompt_tokens`` of the prompt only: a trie node
-  costs about 7 KB per token of non-repeating text, so a 100K-token prompt would hold ~700 MB.
+* ``suffix`` (``suffix.SuffixDrafter``): a path-compressed suffix tree per request and one per
+  tenant (the prefix cache's tenant: ``cache_salt`` or the API key), never shared across
+  tenants. The request's tree is built on its first proposal over the last
+  ``max_prompt_tokens`` (131,072; None: all) of the prompt: about 250 bytes and 1.6 us per
+  token of non-repeating text, so a 100K-token prompt is indexed whole (~24 MB, ~0.16 s
+  once, measured by ``tools/suffix_cost.py``), and a million-token one costs at most ~32 MB.
 
 * ``dspark`` (``dspark_drafting.DSparkEngineDrafter``): the draft model proposes on the device
   after each step; this keeps the last block per request and hands it out.
@@ -50,7 +52,7 @@ class NgramEngineDrafter:
 
 class SuffixEngineDrafter:
     def __init__(self, num_speculative_tokens: int, max_depth: int = 24, max_tenant_sequences: int = 256,
-                 min_match: int = 2, max_prompt_tokens: int = 2048) -> None:
+                 min_match: int = 2, max_prompt_tokens: int | None = 131072) -> None:
         self.k = num_speculative_tokens
         self.max_prompt_tokens = max_prompt_tokens
         self.drafter = SuffixDrafter(max_depth=max_depth, max_tokens=num_speculative_tokens,
@@ -60,7 +62,8 @@ class SuffixEngineDrafter:
     def propose(self, req, max_tokens: int) -> list[int]:
         fed = self._fed.get(req.rid)
         if fed is None:
-            self.drafter.start(req.rid, req.salt.hex(), req.prompt[-self.max_prompt_tokens:])
+            prompt = req.prompt if self.max_prompt_tokens is None else req.prompt[-self.max_prompt_tokens:]
+            self.drafter.start(req.rid, req.salt.hex(), prompt)
             fed = 0
         if len(req.output) > fed:
             self.drafter.extend(req.rid, req.output[fed:])
