@@ -311,10 +311,9 @@ class KimiLM(nnx.Module):
         # (``StepParallel.kda_layer_on_pools``).
         # A speculative step runs its decode rows through the kernel's record mode
         # (``kernels/kda_spec_kernel.py``: the fold fused in, the journal carried through the scan
-        # and updated in place); under a recipe it still takes the reference path (the per-rank
-        # journal wiring is not done), MLA and the experts keep the backend's kernels there
-        fused_kda = (bool(kda_idx) and cfg.kernels != "reference" and ops.kda_kernels_fit(cfg.kda_head_dim, cfg.kernels)
-                     and (journal is None or par is None))
+        # and updated in place); under a recipe each rank on its block of the journal
+        # (``StepParallel.kda_layer_on_pools``)
+        fused_kda = bool(kda_idx) and cfg.kernels != "reference" and ops.kda_kernels_fit(cfg.kda_head_dim, cfg.kernels)
         if kda_idx and not fused_kda:
             # the conv pool's channels are stored rank-major when the heads are split over
             # ranks (``StepParallel.conv_groups``); the reference core reads q | k | v
@@ -457,9 +456,13 @@ class KimiLM(nnx.Module):
             if fused_kda and (is_kda is not False):  # a non-KDA layer's rows have no tokens
                 q_lens = fb.q_lens if is_kda is True else jnp.where(is_kda, fb.q_lens, 0)
                 kw = dict(lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps, backend=cfg.kernels)
-                if ctx.par is not None:
-                    o_kda, carry["state_pool"], carry["conv_pool"] = ctx.par.kda_layer_on_pools(
-                        *new, carry["state_pool"], carry["conv_pool"], kda_j, fb, q_lens, **kw)
+                if ctx.par is not None:  # per rank; with the journal, each rank's block of it
+                    jl = None if journal is None else tuple(carry[n] for n in JOURNAL_KEYS)
+                    out = ctx.par.kda_layer_on_pools(*new, carry["state_pool"], carry["conv_pool"], kda_j, fb, q_lens,
+                                                     journal=jl, **kw)
+                    o_kda, carry["state_pool"], carry["conv_pool"] = out[:3]
+                    if journal is not None:
+                        carry.update(zip(JOURNAL_KEYS, out[3]))
                 else:
                     if journal is not None:
                         kw.update(journal=tuple(carry[n] for n in JOURNAL_KEYS), decode=fb.decode, jrow=fb.jrow,

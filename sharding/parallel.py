@@ -284,14 +284,20 @@ class StepParallel:
         return jnp.where((lid >= 0) & (lid < S), lid, S)
 
     def kda_layer_on_pools(self, qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool,
-                           layer, fb, q_lens, *, lower_bound, eps, backend: str):
+                           layer, fb, q_lens, *, lower_bound, eps, backend: str, journal=None):
         """``ops.kda_layer_on_pools`` (the KDA kernels on the pools in place) per rank: each DP
         group on its own slots (slot ids made local to the group's block; others' dropped), each
         rank of the group on its heads of the state pool (``_slot_spec``: heads over ``ATTN``)
         and its block of the conv pool's channels (stored rank-major: the block is the rank's
         heads' ``q | k | v``, exactly what the kernels read). ``qkv_raw``: [T, 3, P] (``KDA.project``).
         Returns ``(o [T, H, d], state_pool, conv_pool)`` in the pools'
-        layouts."""
+        layouts.
+
+        ``journal`` (speculative decoding; ``fb`` carries ``decode``, ``jrow``, ``fold_len``):
+        each rank runs the record-mode kernel on its block of the journal (:meth:`journal_shardings`:
+        its DP group's entries, its heads; the pre-conv rows of a rank are its heads' ``q | k |
+        v``, as its conv block is, so the journal's channels are rank-major like the conv pool's
+        whenever the kernels keep it). Returns the journal fourth."""
         from ..kernels import ops
         from ..model.step import local_rows
 
@@ -306,23 +312,34 @@ class StepParallel:
         d = P(ax)
         in_specs = (P(ax, None, h), P(ax, h), P(ax, h), P(ax, h), P(None, h, None), P(h), P(h), P(), st_spec, cv_spec,
                     P(), d, d, d, d, d, d, d, d, d, d)
+        j_specs = ()
+        if journal is not None:
+            j_specs = tuple(sh.spec for sh in self.journal_shardings(H))
+            in_specs = in_specs + (j_specs, d, d, d)
 
         def local(qkv3, f, beta, gate_out, conv_w3, A_log, dt_bias, o_norm, state, conv, layer, tok_row, cu, q_lens,
-                  start_pos, read_slot, write_slot, fresh, snap_row, snap_len, snap_slot):
+                  start_pos, read_slot, write_slot, fresh, snap_row, snap_len, snap_slot, *spec):
             R, S = q_lens.shape[0], state.shape[1]
             base = jax.lax.axis_index("dp") * S if self.dp > 1 else 0
             Tl, Pl = f.shape
+            kw = {}
+            if spec:  # the group's block of entries: its rows' entries made local to it
+                jl, decode, jrow, fold_len = spec
+                J = jl[0].shape[1]
+                jbase = jax.lax.axis_index("dp") * J if self.dp > 1 else 0
+                kw = dict(journal=jl, decode=decode, jrow=jnp.where(jrow >= 0, jrow - jbase, -1), fold_len=fold_len)
             return ops.kda_layer_on_pools(
                 qkv3.reshape(Tl, 3 * Pl), f, beta, gate_out, conv_w3.reshape(3 * Pl, W), A_log, dt_bias, o_norm, state,
                 conv, layer, local_rows(tok_row, R), cu, q_lens, start_pos, jnp.clip(read_slot - base, 0, S - 1),
                 self._group_slots(S, write_slot), fresh, local_rows(snap_row, R), snap_len,
-                self._group_slots(S, snap_slot), lower_bound=lower_bound, eps=eps, backend=backend)
+                self._group_slots(S, snap_slot), lower_bound=lower_bound, eps=eps, backend=backend, **kw)
 
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=in_specs,
-                           out_specs=(P(ax, h, None), st_spec, cv_spec), check_vma=False)
+        out_specs = (P(ax, h, None), st_spec, cv_spec) + ((j_specs,) if journal is not None else ())
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+        extra = () if journal is None else (tuple(journal), fb.decode, fb.jrow, fb.fold_len)
         return fn(qkv_raw, f, beta, gate_out, conv_w.reshape(3, Pw, W), A_log, dt_bias, o_norm,
                   state_pool, conv_pool, jnp.asarray(layer, jnp.int32), fb.tok_row, fb.cu_q_lens, q_lens,
-                  fb.start_pos, fb.read_slot, fb.write_slot, fb.fresh, fb.snap_row, fb.snap_len, fb.snap_slot)
+                  fb.start_pos, fb.read_slot, fb.write_slot, fb.fresh, fb.snap_row, fb.snap_len, fb.snap_slot, *extra)
 
     # ------------------------------------------------------------------ KDA slots by DP group
     def take_slots(self, pool, slots, kda_heads: int | None = None):

@@ -213,6 +213,90 @@ def kda_pools_error(recipe: str) -> float:
     return max(rel(o, want_o), rel(st2, want_st), rel(cv2, want_cv))
 
 
+def kda_spec_pools_error(recipe: str) -> float:
+    """The record mode per rank (speculative decoding): ``StepParallel.kda_layer_on_pools`` with
+    the journal placed as the engine keeps it (dp=2: each group's block of entries; heads split:
+    the pre-conv rows rank-major like the conv pool) against ``ops.kda_layer_on_pools`` with the
+    journal on one device, group by group. Decode rows with 2, 0 and 3 drafts folding 1, 2 and
+    0 accepted drafts from a journal of earlier steps (random), one with a prefix hit, and a
+    fresh prefill row beside them: the largest relative error of the outputs, both pools and
+    the journal."""
+    import types
+
+    import jax.numpy as jnp
+
+    from k3serve.kernels import ops
+    from k3serve.model.cache import conv_logical, conv_rank_major
+    from k3serve.model.step import local_rows
+
+    H, d, W, L, D = 8, 16, 4, 2, 3
+    P = H * d
+    Tg, Rg, Sg, Jg = 8, 2, 6, 2  # per DP group: tokens, rows, slots, journal entries
+    T, S, J = 2 * Tg, 2 * Sg, 2 * Jg
+    rng = np.random.default_rng(1)
+    f32 = np.float32
+    x = dict(qkv=rng.normal(size=(T, 3 * P)).astype(f32), f=rng.normal(size=(T, P)).astype(f32),
+             beta=(1 / (1 + np.exp(-rng.normal(size=(T, H))))).astype(f32), gate=rng.normal(size=(T, P)).astype(f32))
+    cw = (0.5 * rng.normal(size=(3 * P, W))).astype(f32)
+    A_log, dt_bias = rng.normal(size=(H,)).astype(f32), rng.normal(size=(P,)).astype(f32)
+    o_norm = (1 + 0.1 * rng.normal(size=(d,))).astype(f32)
+    state = (0.1 * rng.normal(size=(L, S, H, d, d))).astype(f32)
+    conv = rng.normal(size=(L, S, W - 1, 3 * P)).astype(f32)
+    jk = rng.normal(size=(L, J, D, H, d)).astype(f32) * 0.3
+    jeg = np.exp(-np.abs(rng.normal(size=(L, J, D, H, d)))).astype(f32)
+    jdelta = rng.normal(size=(L, J, D, H, d)).astype(f32) * 0.3
+    jraw = rng.normal(size=(L, J, D, 3 * P)).astype(f32)
+    # group 0: row0 decode + 2 drafts (entry 0, folds 1), row1 decode alone (entry 1, folds 2)
+    # group 1: row0 decode + 3 drafts, read 6 write 7 (entry 2, folds 0), row1 a fresh 4-token prefill
+    q_lens = np.array([3, 1, 4, 4], np.int32)
+    tok_row = np.array([0, 0, 0, 1] + [-1] * 4 + [0, 0, 0, 0, 1, 1, 1, 1], np.int32)
+    cu = np.array([0, 3, 4, 0, 4, 8], np.int32)
+    start = np.array([5, 7, 9, 0], np.int32)
+    read, write = np.array([0, 1, 6, 8], np.int32), np.array([0, 1, 7, 8], np.int32)
+    fresh = np.array([False, False, False, True])
+    decode = np.array([True, True, True, False])
+    jrow, fold = np.array([0, 1, 2, -1], np.int32), np.array([1, 2, 0, 0], np.int32)
+    snap_row, snap_len, snap_slot = (np.full(4, -1, np.int32), np.zeros(4, np.int32), np.full(4, S, np.int32))
+    layer = 1
+    kw = dict(lower_bound=-5.0, eps=1e-5, backend="pallas-interpret")
+
+    st, cv, jl, outs = jnp.asarray(state), jnp.asarray(conv), tuple(map(jnp.asarray, (jk, jeg, jdelta, jraw))), []
+    for g in range(2):
+        tk, rw = slice(g * Tg, (g + 1) * Tg), slice(g * Rg, (g + 1) * Rg)
+        o, st, cv, jl = ops.kda_layer_on_pools(
+            x["qkv"][tk], x["f"][tk], x["beta"][tk], x["gate"][tk], cw, A_log, dt_bias, o_norm, st, cv, layer,
+            local_rows(jnp.asarray(tok_row[tk]), Rg), cu[g * (Rg + 1):(g + 1) * (Rg + 1)], q_lens[rw], start[rw],
+            read[rw], write[rw], fresh[rw], local_rows(jnp.asarray(snap_row[rw]), Rg), snap_len[rw], snap_slot[rw],
+            journal=jl, decode=jnp.asarray(decode[rw]), jrow=jnp.asarray(jrow[rw]), fold_len=jnp.asarray(fold[rw]),
+            **kw)
+        outs.append(o)
+    want = [np.concatenate(outs), np.asarray(st), np.asarray(cv)] + [np.asarray(a) for a in jl]
+
+    r = Recipe.parse(recipe)
+    mesh = build_mesh(r, jax.devices()[:8])
+    par = StepParallel(r, mesh)
+    sh = par.cache_shardings(H)
+    G = par.conv_groups(H)
+    assert G > 1 and r.dp == 2, (G, r.dp)
+    fb = types.SimpleNamespace(tok_row=tok_row, cu_q_lens=cu, start_pos=start, read_slot=read, write_slot=write,
+                               fresh=fresh, snap_row=snap_row, snap_len=snap_len, snap_slot=snap_slot,
+                               decode=decode, jrow=jrow, fold_len=fold)
+    jsh = par.journal_shardings(H)
+    j_in = tuple(jax.device_put(a, s) for a, s in zip(
+        (jk, jeg, jdelta, np.asarray(conv_rank_major(jnp.asarray(jraw), G))), jsh))
+
+    def g(st, cv, jl):
+        return par.kda_layer_on_pools(x["qkv"].reshape(T, 3, P), x["f"], x["beta"], x["gate"], cw, A_log, dt_bias,
+                                      o_norm, st, cv, layer, fb, jnp.asarray(q_lens), journal=jl, **kw)
+
+    cv_in = jax.device_put(np.asarray(conv_rank_major(jnp.asarray(conv), G)), sh["kda_conv"])
+    o, st2, cv2, jl2 = jax.jit(g)(jax.device_put(state, sh["kda_state"]), cv_in, j_in)
+    got = [o, st2, conv_logical(cv2, G), *jl2[:3], conv_logical(jl2[3], G)]
+    rel = lambda a, b: float(np.abs(np.asarray(a) - b).max() / np.abs(b).max())  # noqa: E731
+    assert not np.allclose(want[3], jk)  # the journal was written
+    return max(rel(a, b) for a, b in zip(got, want))
+
+
 def main():
     root, spec = sys.argv[1], json.loads(sys.argv[2])
     path = checkpoint(root)
@@ -231,6 +315,7 @@ def main():
         print(f"{time.perf_counter() - t0:.1f}s", name, out[name], file=sys.stderr, flush=True)
     out["ragged_gmm_err"] = ragged_gmm_error(spec["ragged_recipe"])
     out["kda_pools_err"] = kda_pools_error(spec["ragged_recipe"])
+    out["kda_spec_pools_err"] = kda_spec_pools_error(spec["ragged_recipe"])
     print(f"{time.perf_counter() - t0:.1f}s ragged", out["ragged_gmm_err"], file=sys.stderr, flush=True)
     print(json.dumps(out))
 

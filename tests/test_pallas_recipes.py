@@ -20,7 +20,8 @@ layer 1 of a repacked stack equals the one-device reference (the collective emul
 has none). And the KDA kernels per rank on 2-layer pools under dp=2 with split heads, a prefix
 hit (read slot != write slot), a fresh row and snapshots from a prefill and a decode row equal
 the one-device kernels group by group (the conv windows go through the per-rank copy of the
-conv pool and back)."""
+conv pool and back); so does the speculative record mode per rank (decode rows with drafts
+folding accepted drafts of an earlier step, the journal split over the groups and the heads)."""
 from __future__ import annotations
 
 import json
@@ -63,3 +64,7 @@ def test_ragged_exchange_with_the_gmm_kernel(runs):
 
 def test_kda_pools_per_rank_with_snapshots(runs):
     assert runs["kda_pools_err"] < 1e-5, runs["kda_pools_err"]
+
+
+def test_kda_record_mode_per_rank(runs):
+    assert runs["kda_spec_pools_err"] < 1e-5, runs["kda_spec_pools_err"]
