@@ -174,6 +174,21 @@ def tiny_dspark_config(**overrides) -> dict:
     return cfg
 
 
+def dspark_config_for(target_cfg, block_size: int = 4, num_layers: int = 2) -> dict:
+    """A config.json dict of a small synthetic draft that fits ``target_cfg`` (a ``K3Config``):
+    its taps three spread layers, its latent rows the target's MLA row width, the target's
+    vocabulary (benchmarks and tests: the drafting machinery's cost, not its acceptance)."""
+    L = target_cfg.num_hidden_layers
+    taps = sorted({max(0, min(L - 1, round(f * (L - 1)))) for f in (0.1, 0.5, 0.9)})
+    D = target_cfg.hidden_size
+    return tiny_dspark_config(
+        target_hidden_size=D, hidden_size=D, num_target_layers=len(taps), target_layer_ids=taps,
+        target_num_hidden_layers=L, num_hidden_layers=num_layers, num_attention_heads=4,
+        q_lora_rank=max(16, D // 4), kv_lora_rank=target_cfg.kv_lora_rank, qk_rope_head_dim=target_cfg.qk_rope_head_dim,
+        qk_nope_head_dim=16, v_head_dim=16, intermediate_size=2 * D, vocab_size=target_cfg.vocab_size,
+        draft_vocab_size=target_cfg.vocab_size, mask_token_id=target_cfg.vocab_size - 1, block_size=block_size)
+
+
 def _rng(seed: int, name: str) -> np.random.Generator:
     digest = hashlib.sha256(f"k3serve-dspark-synthetic/v{GENERATOR_VERSION}/{int(seed)}/{name}".encode()).digest()
     return np.random.default_rng(np.frombuffer(digest, dtype=np.uint32))
