@@ -3,7 +3,7 @@
     k3serve bench spec [--model DIR|demo] [--concurrency 1,8] [--k 4] [--rates 0,0.5,0.8,1]
         [--prompt-len 32] [--gen-len 48] [--json OUT]
 
-Three parts, every figure a ratio to plain decoding measured in the same process:
+Four parts, every figure a ratio to plain decoding measured in the same process:
 
 1. **The cost curve under an imposed acceptance rate.** A plain greedy run records each
    prompt's output; an imposing drafter (bench code, never a serving option) then proposes
