@@ -142,15 +142,18 @@ def test_k3_head_widths_compile_all_four_kernels_under_a_recipe(tmp_path):
     """A 4-layer K3 at the release's head widths (KDA 128, MLA latent 512 + rope 64, 128-wide
     experts) on 8 devices (EP4 x TP2, DCP8), one head per rank: the step program calls all four
     Mosaic kernels; its page table (8 pages a row) is fetched into SMEM as one 128-column chunk
-    (Mosaic's DMAs move multiples of 512 bytes)."""
+    (Mosaic's DMAs move multiples of 512 bytes). With speculation on, the speculative step runs
+    the KDA record mode per rank (each rank on its block of the journal) in place of the
+    decode kernel."""
     tpu_aot.require_libtpu()
     path = _k3_head_widths(tmp_path)
-    rc, rep = _compile(path, tmp_path, "--recipe", "ep=4,tp=2,dcp=8", *_SMALL_ENGINE, "--only", r"^step\[T=4\]",
-                       kernels="pallas")
+    rc, rep = _compile(path, tmp_path, "--recipe", "ep=4,tp=2,dcp=8", *_SMALL_ENGINE, "--only", r"^step\[T=4",
+                       "--speculative", "ngram", "--num-speculative-tokens", "3", kernels="pallas")
     assert rc == 0, [p["error"] for p in rep["programs"] if not p["ok"]]
-    (step,) = rep["programs"]
-    assert step["name"] == "step[T=4]"
+    step, spec = rep["programs"]
+    assert step["name"] == "step[T=4]" and spec["name"] == "step[T=4,spec]"
     assert set(step["kernels"]) == {"mxfp4_gmm", "mla_ragged_attention_kernel", "kda_decode", "kda_prefill"}
+    assert set(spec["kernels"]) == {"mxfp4_gmm", "mla_ragged_attention_kernel", "kda_spec_decode", "kda_prefill"}
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -188,8 +191,9 @@ def test_a_conds_collectives_count_as_its_larger_branch():
 
 
 def test_speculative_steps_compile_with_the_journal(small_config, tmp_path):
-    """Speculation (k = 3) under EP4 x TP2 x DCP8 with the Pallas kernels (KDA on the reference
-    path while speculating under a recipe): both step programs of each bucket (plain, and
+    """Speculation (k = 3) under EP4 x TP2 x DCP8 with the Pallas kernels (16-wide KDA heads do
+    not fit the KDA kernels, so KDA takes the reference path; the record-mode kernel per rank
+    is compiled by ``test_k3_head_widths_compile_all_four_kernels_under_a_recipe``): both step programs of each bucket (plain, and
     speculative with the journal) and the three samplers of each row count (plain, speculative
     with and without per-position table rows) compile for tpu7x, and the journal is counted per
     device (split over the KDA heads: its full size / 8)."""
