@@ -52,9 +52,11 @@ def run_cell(path: str, recipe: str, expect_for) -> dict:
     c0 = time.process_time()
     out = {"recipe": recipe}
     try:
-        # a 16-token budget: token buckets 1, 8, 16 (three step programs to warm up, not four)
+        # a 16-token budget grown to in one step (bucket_growth 16): token buckets 1 and 16, two
+        # step programs to warm up (growth 8 added a bucket of 8, a third program of the same kind)
         llm = LLM(path, recipe=recipe, devices=jax.devices()[: r.devices], max_num_seqs=r.dp, page_size=4,
-                  max_model_len=32, chunk_size=8, max_num_batched_tokens=16, enable_prefix_caching=False)
+                  max_model_len=32, chunk_size=8, max_num_batched_tokens=16, bucket_growth=16,
+                  enable_prefix_caching=False)
         eng = llm.engine
         warm = eng.runner.num_compiles
         got = [o.token_ids for o in llm.generate(

@@ -5,6 +5,7 @@ greedy decode steps. Prints one JSON line."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 
@@ -22,8 +23,22 @@ from k3serve.sharding.parallel import StepParallel
 from k3serve.sharding.recipe import Recipe
 
 
-def run_recipe(m, recipe: Recipe, lengths, page_size: int, decode_steps: int, ep_impl=None, seed: int = 0):
-    """(max rel. logits error over prefill + decode, tokens identical, per-device KV bytes, total KV bytes)."""
+def one_device_step(m):
+    """The single-device reference step, jitted once per process: recipes whose batch and cache
+    have the same shapes (``pool_blocks``) share its compiled programs."""
+    def step(params, cache, batch):
+        return nnx.merge(m.graphdef, params)(batch, cache, par=None)
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def run_recipe(m, recipe: Recipe, lengths, page_size: int, decode_steps: int, ep_impl=None, seed: int = 0,
+               f_one=None, pool_blocks: int = 1):
+    """(max rel. logits error over prefill + decode, tokens identical, per-device KV bytes, total KV bytes).
+
+    ``f_one``: the single-device step (``one_device_step``); ``pool_blocks``: the page count is
+    a multiple of it and of the recipe's dp × dcp blocks (the same pool for every recipe of a
+    child, so the reference compiles once for all its recipes with the same row count)."""
     cfg = m.config
     devs = jax.devices()[: recipe.devices]
     recipe = recipe.validate(cfg, num_devices=len(devs))
@@ -33,7 +48,8 @@ def run_recipe(m, recipe: Recipe, lengths, page_size: int, decode_steps: int, ep
     max_len = max(lengths) + decode_steps
     pages_per_seq = -(-max_len // page_size)
     blocks = recipe.dp * recipe.dcp
-    num_pages = -(-rows * pages_per_seq // blocks) * blocks + blocks * 2
+    unit = math.lcm(blocks, pool_blocks)
+    num_pages = -(-rows * pages_per_seq // unit) * unit + unit * 2
     plan = plan_capacity(cfg, page_size=page_size, dtype=m.dtype, num_pages=num_pages, max_num_seqs=rows,
                          dp=recipe.dp, dcp=recipe.dcp)
     mgr = CacheManager(cfg, plan, m.dtype, allocate=False)
@@ -64,7 +80,7 @@ def run_recipe(m, recipe: Recipe, lengths, page_size: int, decode_steps: int, ep
         return nnx.merge(m.graphdef, params)(batch, cache, par=par)
 
     f_par = jax.jit(lambda p, c, b: step(p, c, b, par), donate_argnums=(1,))
-    f_one = jax.jit(lambda p, c, b: step(p, c, b, None), donate_argnums=(1,))
+    f_one = f_one or one_device_step(m)
 
     def batch_for(tokens, start):
         T = max(len(t) for t in tokens)
@@ -132,8 +148,10 @@ def run_engine(m, recipe: str, lengths, new_tokens: int, page_size: int, seed: i
     expect = [greedy_padded(m, p, new_tokens) for p in prompts]
     orig = m.params
     r = Recipe.parse(recipe)
+    # bucket_growth: token buckets 1, the group's rows and the budget (one program fewer than
+    # growth 8's 1, 2, 16, 64; a bucket only sets the padding of the same step)
     eng = Engine(m, max_num_seqs=len(lengths), max_num_batched_tokens=16 * len(lengths), chunk_size=16,
-                 page_size=page_size, max_model_len=64, warmup=False, recipe=recipe,
+                 page_size=page_size, max_model_len=64, warmup=False, recipe=recipe, bucket_growth=32,
                  devices=jax.devices()[: r.devices],
                  # the sharded step is what this checks; prefix-cache placement under DP/DCP is
                  # checked without devices in test_prefix_cache.py (its copies on a 32-device
@@ -159,10 +177,12 @@ def main():
     case, spec = sys.argv[1], json.loads(sys.argv[2])
     m = load_pretrained(case)
     out, t0 = {}, time.perf_counter()
+    f_one = one_device_step(m)
+    pool_blocks = math.lcm(*(Recipe.parse(rec).dp * Recipe.parse(rec).dcp for rec in spec["recipes"].values()))
     for name, rec in spec["recipes"].items():
         r = Recipe.parse(rec)
         out[name] = run_recipe(m, r, spec["lengths"], spec["page_size"], spec["decode_steps"],
-                               ep_impl=spec.get("ep_impl", "auto"))
+                               ep_impl=spec.get("ep_impl", "auto"), f_one=f_one, pool_blocks=pool_blocks)
         print(f"{time.perf_counter() - t0:.1f}s", name, out[name], file=sys.stderr, flush=True)
     for name, rec in spec.get("engine", {}).items():
         out["engine:" + name] = run_engine(m, rec, spec["engine_lengths"], spec["engine_new_tokens"], spec["page_size"])

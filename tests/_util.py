@@ -12,6 +12,20 @@ ALL_CASES = K3_CASES + ["kimi-linear-tiny", "kimi-linear-tiny-dense"]
 
 _models: dict = {}
 
+# XLA flags of every test process (set by conftest.py, kept by children): LLVM at -O0 on XLA:CPU.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def child_xla_flags(devices: int | None = None) -> str:
+    """``XLA_FLAGS`` for a child process: this process's flags (``TEST_XLA_FLAGS``), without any
+    virtual device count, then ``devices`` virtual CPU devices if given."""
+    import os
+
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return " ".join(flags)
+
 
 def load_case(case: str, dtype: str = "float32"):
     from k3serve.checkpoints import load_pretrained
@@ -217,7 +231,7 @@ def run_children(script: str, args: list, specs: list, devices: int, timeout: fl
     import tempfile
 
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = child_xla_flags(devices)
     procs = []
     try:
         for spec in specs:

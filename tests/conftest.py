@@ -26,6 +26,18 @@ import pytest
 # workers may load libtpu to compile for a topology at once (it takes a lock file otherwise).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# XLA:CPU's LLVM backend at -O0 (``_util.TEST_XLA_FLAGS``): most of the suite's time is compiling
+# step programs that then run a few tiny steps, and LLVM's optimisation passes are much of each
+# compile (measured on 2 cores: a k3-tiny-a speculative engine test 50 -> 32 s, a 32-device
+# recipe child 105 -> 53 s). The same HLO through the same XLA passes: only the CPU machine code
+# is less optimised (TPU AOT compiles are unaffected). Set before jax starts its backend; the
+# children of ``_util.run_children`` and the multi-host servers keep it (``child_xla_flags``).
+# Notebooks run as a user runs them (``_notebooks.py`` drops XLA_FLAGS): 03's benchmark is
+# execution-bound and took 71 -> 104 s at -O0.
+from _util import TEST_XLA_FLAGS  # noqa: E402
+
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 from k3serve.compile_cache import enable_compile_cache
 
@@ -75,3 +87,35 @@ def _release_when_mappings_run_high():
     yield
     if _num_mappings() > 30_000:
         _release()
+
+
+# ``make test`` hands whole files to two workers (``--dist loadfile``), in collection order once
+# xdist's own reordering (by number of tests: one-test files such as the notebook's went last)
+# is off. Heaviest files first, so that the last files a worker takes are short and the two
+# workers end together. Seconds per file, measured on a 2-core box with both workers busy
+# (rounded; only the order matters, and a file not listed counts as light).
+_FILE_SECONDS = {
+    "test_compile_cli": 460, "test_spec_engine": 300, "test_multihost": 260, "test_notebooks": 190,
+    "test_notebook_deploy": 190, "test_sharding": 175, "test_pallas_backend": 150, "test_prefix_engine": 140,
+    "test_pallas_recipes": 105, "test_attention_dp": 105, "test_dspark_engine": 100, "test_preshard": 100,
+    "test_spec_serving": 95, "test_pd_layouts": 90, "test_engine": 75, "test_golden": 65,
+    "test_step_collectives": 60, "test_mla_pool_width": 57, "test_model_step": 57, "test_cli": 55,
+    "test_spec_step": 50, "test_mla_ragged_kernel": 45, "test_pd_smg": 45, "test_weights_loading": 40,
+    "test_llm_api": 36, "test_kda_spec_kernel": 35, "test_tpu_aot_kda": 35, "test_kda_prefill_kernel": 35,
+    "test_pd_server": 24, "test_kda_decode_kernel": 23, "test_kernels": 22, "test_grpc_server": 21,
+    "test_ep_dispatch": 20, "test_kda_pools": 20, "test_roofline": 18, "test_tpu_aot_mla": 17,
+    "test_flat_step": 17, "test_pd_engine": 15, "test_gmm_mxfp4": 14, "test_mla_ragged": 13,
+}
+
+
+def pytest_configure(config):
+    if getattr(config.option, "loadscopereorder", None):  # pytest-xdist: keep the order below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Files by ``_FILE_SECONDS``, heaviest first (a stable sort: tests keep their order within a
+    file, and files of equal weight keep theirs). Every worker sorts the same collection the
+    same way, as xdist requires."""
+    weight = lambda item: -_FILE_SECONDS.get(item.path.stem, 0)
+    items[:] = sorted(items, key=weight)

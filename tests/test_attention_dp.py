@@ -19,9 +19,9 @@ keeps its layout. Cells (8 devices; H = KDA = MLA heads, E experts):
   heads whole per rank, one expert group per DP group) and ``ep=4,tp=2,dp=2,dcp=2`` (DCP on
   tp, heads over ep).
 
-Prompts of 5 and 11 tokens (two prefill chunks of 8), a 16-token step budget: token
-buckets 1, 8 and 16, three step programs per cell to warm up. The cells run in two children
-at once (``halves``): compiles are single-threaded, so two children use both cores.
+Prompts of 5 and 11 tokens (two prefill chunks of 8), a 16-token step budget and a bucket
+growth of 16: token buckets 1 and 16, two step programs per cell to warm up. The cells run in
+two children at once (``halves``): compiles are single-threaded, so two children use both cores.
 
 Heads that do not divide the attention group, dp that does not divide ep and DCP/SP sizes
 that are not whole mesh axes are rejected by ``Recipe.validate`` (``test_recipe.py``); the

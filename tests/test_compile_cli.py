@@ -200,12 +200,16 @@ def test_speculative_steps_compile_with_the_journal(small_config, tmp_path):
     from k3serve.model.config import K3Config
     from k3serve.model.k3 import journal_shapes
 
-    rc, rep = _compile(small_config, tmp_path, "--recipe", "ep=4,tp=2,dcp=8", *_SMALL_ENGINE, "--only",
-                       "^(step|sample)", "--speculative", "ngram", "--num-speculative-tokens", "3", kernels="pallas")
+    # a 4-token budget: token buckets 1 and 4 (the row count), each with its plain and its
+    # speculative step, and the samplers of 1 and 4 rows (a 16-token budget added a third
+    # bucket, two more step programs of the same kind: ~20 s of TPU compiles)
+    engine = ("--max-num-seqs", "4", "--max-num-batched-tokens", "4", *_SMALL_ENGINE[4:])
+    rc, rep = _compile(small_config, tmp_path, "--recipe", "ep=4,tp=2,dcp=8", *engine, "--only", "^(step|sample)",
+                       "--speculative", "ngram", "--num-speculative-tokens", "3", kernels="pallas")
     assert rc == 0, [p["error"] for p in rep["programs"] if not p["ok"]]
     names = [p["name"] for p in rep["programs"]]
-    for want in ("step[T=1]", "step[T=4,spec]", "step[T=16,spec]", "sample[R=4]", "sample[R=4,spec]",
-                 "sample[R=4,spec,table]"):
+    for want in [f"step[T={t}{s}]" for t in (1, 4) for s in ("", ",spec")] + \
+            [f"sample[R={r}{s}]" for r in (1, 4) for s in ("", ",spec", ",spec,table")]:
         assert want in names, names
     import numpy as np
 

@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from _util import free_port, greedy_padded
+from _util import child_xla_flags, free_port, greedy_padded
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ class Cluster:
         """``follower_late_s``: the follower starts compiling that much later than the leader
         (``_late_warmup.py``)."""
         self.port, coord = free_port(), free_port()
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", K3SERVE_CACHE=str(tmp))
+        env = dict(os.environ, XLA_FLAGS=child_xla_flags(4), K3SERVE_CACHE=str(tmp))
         self.logs = [open(tmp / f"p{i}.log", "w+") for i in range(2)]
         late = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "_late_warmup.py"), str(follower_late_s)]
         self.procs = [subprocess.Popen(

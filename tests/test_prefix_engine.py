@@ -18,8 +18,10 @@ from k3serve.server.engine.engine import Engine
 from k3serve.server.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
+# token buckets 1, 2 (the rows) and 48 (bucket_growth 24; growth 8 added 16: a fourth step
+# program per engine, of the same step)
 KW = dict(max_num_seqs=2, max_num_batched_tokens=48, chunk_size=16, page_size=8, max_model_len=160,
-          warmup=False, num_pages=32)
+          warmup=False, num_pages=32, bucket_growth=24)
 
 
 @pytest.fixture(scope="module")

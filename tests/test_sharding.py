@@ -47,7 +47,8 @@ def k32_checkpoint(root):
 
 def halves(spec: dict) -> list:
     """The spec as two children of about equal compile time: three recipes, then the fourth
-    and the engine (about 150 and 130 s alone on a 2-core box)."""
+    and the engine (about 80 and 65 s side by side on a 2-core box; in the first, v7-32-prefill
+    reuses v7-32-decode's single-device programs: ``_parallel_check.one_device_step``)."""
     names = list(spec["recipes"])
     a = dict(spec, recipes={k: spec["recipes"][k] for k in names[:3]}, engine={})
     b = dict(spec, recipes={k: spec["recipes"][k] for k in names[3:]})
