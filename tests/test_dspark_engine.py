@@ -62,9 +62,9 @@ class RecordingDrafter(DSparkEngineDrafter):
         self.blocks.append((list(req.prompt) + list(req.output), [int(t) for t in tokens]))
 
 
-def _run(model, prompts, params, spec=None, drafter=None, later=()):
+def _run(model, prompts, params, spec=None, drafter=None, later=(), **kw):
     """Run ``prompts`` together, then ``later`` (after the first ones finished)."""
-    e = Engine(model, speculative=spec, drafter=drafter, **SHAPE)
+    e = Engine(model, speculative=spec, drafter=drafter, **{**SHAPE, **kw})
     out, cached = {}, {}
     e.cached_of = cached  # rid -> prompt tokens served from the prefix cache
 
@@ -169,6 +169,28 @@ def test_blocks_equal_an_independent_recomputation(target, draft_dir):
     assert st["spec_draft_tokens"] > 0
     assert len(rec.blocks) >= 16
     _check_blocks(target, draft_dir, rec.blocks)
+
+
+def test_async_rows_take_the_device_block(target, draft_dir):
+    """Async scheduling (the default): every decode row is planned while the request's previous
+    row runs, so its drafts are the block that row's step proposed on the device, after the
+    tokens it really emitted (no guess). The same blocks are verified as when each row is planned
+    after its predecessor returned (synchronous, the block handed over by the host): the same
+    drafts accepted (this target and draft agree twice on these prompts), and plain decoding's
+    tokens. The async run may carry fewer drafts near ``max_new_tokens`` (it counts the in-flight
+    drafts as accepted when it sizes a row)."""
+    V = target.config.vocab_size
+    prompts = _prompts(V)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    plain, _ = _run(target, prompts, params)
+    runs = {a: _run(target, prompts, params, spec=_spec(draft_dir), async_scheduling=a) for a in (True, False)}
+    st = {a: e.stats() for a, (_, e) in runs.items()}
+    for a, (got, e) in runs.items():
+        assert got == plain, a
+    assert st[True]["spec_accepted_tokens"] == st[False]["spec_accepted_tokens"] > 0, st
+    assert st[True]["spec_accept_counts"][1:] == st[False]["spec_accept_counts"][1:]
+    assert 0 < st[True]["spec_draft_tokens"] <= st[False]["spec_draft_tokens"]
+    assert st[True]["spec_guess_rows"] == 0  # device drafts are never a guess
 
 
 def _check_blocks(target, draft_dir, blocks):

@@ -113,7 +113,10 @@ def test_experts_read_from_layer_stacks(strategy, mx):
         one = [tuple(a[layer] for a in p) if mx else p[layer] for p in ws]
         want = expert_ffn(x, idx, w, one[0], one[2], one[1], act, E, strategy=strategy)
         got = jax.jit(lambda l: expert_ffn(x, idx, w, ws[0], ws[2], ws[1], act, E, strategy=strategy, layer=l))(layer)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        # outputs up to ~2e2 are sums of terms of that size: fp32 leaves ~1e-5 absolute on the
+        # small ones, and the two programs' code (FMA contraction, summation order) may differ
+        want = np.asarray(want)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
 def test_attn_res_bank_masks_unwritten_entries():

@@ -188,7 +188,10 @@ def test_speculative_suffix_across_two_processes(ckpt, reference, tmp_path):
                     done = r.complete
             assert list(done.output_ids) == want
             accepted.append(done.spec_accepted_tokens)
-        assert accepted[1] >= 8, accepted
+        # async scheduling (the default): each row's drafts come after a guess of its in-flight
+        # predecessor's last token, so a replay of 16 tokens verifies about three rows of 3 (9 if
+        # every guess holds; 7 measured); synchronous scheduling accepted 8 here
+        assert accepted[0] < accepted[1] >= 6, accepted
         info = c.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).server_args
         assert info["speculative_algorithm"] == "suffix" and info["speculative_num_draft_tokens"] == 3
     finally:

@@ -220,6 +220,40 @@ def test_suffix_tree_errors():
 
 # -- suffix drafter --------------------------------------------------------------------------
 
+def test_ngram_index_proposes_after_unappended_tokens():
+    """``propose(after=x)`` (async scheduling: an in-flight row's drafts) = the scan over the
+    sequence followed by ``x``, and leaves the index as it was (the next proposals and appends
+    answer as if the call never happened)."""
+    rng = np.random.default_rng(35)
+    checks = hits = 0
+    for case in range(150):
+        drafter = NgramDrafter(4, 1, 9)
+        index, shadow = drafter.new_index(), drafter.new_index()
+        tokens = [int(t) for t in rng.integers(0, 4, int(rng.integers(1, 120)))]
+        pos = 0
+        while pos < len(tokens):
+            step = int(rng.integers(1, 4))
+            index.extend(tokens[pos : pos + step])
+            shadow.extend(tokens[pos : pos + step])
+            pos = min(pos + step, len(tokens))
+            after = [int(t) for t in rng.integers(0, 4, int(rng.integers(0, 5)))]
+            expected = drafter.propose(tokens[:pos] + after, 5)
+            assert index.propose(5, after) == expected, (case, pos, after)
+            assert index.propose() == shadow.propose() and index._latest_start == shadow._latest_start
+            checks += 1
+            hits += bool(expected)
+    assert checks > 1000 and 0.3 * checks < hits < checks
+
+
+def test_suffix_drafter_proposes_after_unappended_tokens():
+    drafter = SuffixDrafter()
+    drafter.start("r", "t", [5, 6, 7, 8] * 3 + [5])
+    # the context 5 6 (the request's 5, then an in-flight 6) occurred earlier, followed by 7 8
+    assert drafter.propose("r", max_tokens=3, after=[6]) == [7, 8, 5]
+    assert drafter.propose("r", max_tokens=3, after=[6, 7]) == [8, 5, 6]
+    assert drafter.propose("r", max_tokens=3) == [6, 7, 8]  # nothing was appended
+
+
 def test_suffix_drafter_own_tree_repeated_pattern():
     drafter = SuffixDrafter()
     drafter.start("r", "t", [5, 6, 7, 8] * 3 + [5, 6])

@@ -43,9 +43,9 @@ class ImposedDrafter:
         self.truth, self.vocab, self.rate = truth, vocab, rate
         self.rng = np.random.default_rng(seed)
 
-    def propose(self, req, max_tokens):
+    def propose(self, req, max_tokens, after=()):
         seq = self.truth.get(tuple(req.prompt), [])
-        at = len(req.output)
+        at = len(req.output) + len(after)
         out = list(seq[at:at + max_tokens])
         wrong = self.rng.random(len(out)) >= self.rate
         return [(t + 1) % self.vocab if w else t for t, w in zip(out, wrong)]
@@ -54,13 +54,13 @@ class ImposedDrafter:
         pass
 
 
-def _engine(m, conc, prompt_len, gen_len, **kw):
+def _engine(m, conc, prompt_len, gen_len, async_scheduling=False, **kw):
     from k3serve.server.engine.engine import Engine
 
     k = (kw.get("speculative") or {}).get("num_speculative_tokens", 0)
     c = max(conc)
     return Engine(m, max_num_seqs=c, max_num_batched_tokens=max(256, c * (k + 1)), page_size=16,
-                  max_model_len=prompt_len + gen_len + 16, async_scheduling=False, **kw)
+                  max_model_len=prompt_len + gen_len + 16, async_scheduling=async_scheduling, **kw)
 
 
 def _run(eng, prompts, params, salt=None):
@@ -101,6 +101,43 @@ def planner_curve(k: int, rates, conc, context_len: int = 131072, recipe: str = 
             out[f"c{c}_rate{rate}"] = {"speedup": round(s.tok_s_per_user / base.tok_s_per_user, 2),
                                        "step_ms": round(s.step_s * 1e3, 2), "plain_step_ms": round(base.step_s * 1e3, 2),
                                        "tok_s_per_user": round(s.tok_s_per_user, 1)}
+    return out
+
+
+def _async_rows(m, a, conc, rates, prompts, params, plain, spec, imposed) -> list:
+    """Part 4: async scheduling against synchronous, plain and speculative (imposed rates), each
+    run just after the others on the same prompts. Async speculation plans a row while its
+    request's previous verify row runs: its drafts are proposed after a guess of that row's
+    outcome (all drafts accepted, then the drafter's next token) and dropped when the guess
+    fails, so it verifies fewer drafts than synchronous speculation at the same rate."""
+    plain_a = _engine(m, conc, a.prompt_len, a.gen_len, async_scheduling=True)
+    spec_a = _engine(m, conc, a.prompt_len, a.gen_len, async_scheduling=True,
+                     speculative={"num_speculative_tokens": a.k}, drafter=imposed)
+    out = []
+    for c in conc:
+        res = {"concurrency": c, "rates": {}}
+        walls = {}
+        for name, eng in (("plain_sync", plain), ("plain_async", plain_a)):
+            _run(eng, prompts[c], params)  # untimed: first-run allocations
+            truth, walls[name], *_ = _run(eng, prompts[c], params)
+        imposed.truth = {tuple(p): o for p, o in zip(prompts[c], truth)}
+        res.update({f"{k}_tok_s_per_user": round(a.gen_len / w, 1) for k, w in walls.items()})
+        for rate in rates:
+            cell = {}
+            for name, eng in (("sync", spec), ("async", spec_a)):
+                imposed.rate, imposed.rng = rate, np.random.default_rng(1)
+                _run(eng, prompts[c], params)  # untimed
+                imposed.rng = np.random.default_rng(1)
+                g0, r0 = eng.stats()["spec_guess_rows"], eng.stats()["spec_guess_held"]
+                got, wall, drafts, acc, rows = _run(eng, prompts[c], params)
+                assert got == truth, "speculative tokens differ from plain decoding"
+                st = eng.stats()
+                cell[name] = {"tok_s_per_user": round(a.gen_len / wall, 1),
+                              "speedup_vs_plain_sync": round(walls["plain_sync"] / wall, 2),
+                              "emitted_per_row": round(1 + acc / max(1, rows), 2),
+                              "guesses_held": f"{st['spec_guess_held'] - r0}/{st['spec_guess_rows'] - g0}"}
+            res["rates"][str(rate)] = cell
+        out.append(res)
     return out
 
 
@@ -145,6 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-planner", action="store_true", help="skip the planner's K3 prediction")
     ap.add_argument("--draft-model", default=None,
                     help="a DSpark draft checkpoint dir, or 'synthetic' (a random draft fitted to the model)")
+    ap.add_argument("--no-async", action="store_true",
+                    help="skip the async-scheduling part (async vs synchronous, plain and speculative)")
     ap.add_argument("--json", help="also write the results to this file")
     a = ap.parse_args(argv)
     conc = [int(c) for c in a.concurrency.split(",")]
@@ -193,6 +232,8 @@ def main(argv=None) -> int:
                              "emitted_per_row": round(1 + acc / max(1, rows), 2),
                              "accept_rate": round(acc / max(1, drafts), 3), "drafts": drafts}
             report["drafters"].append(res)
+    if not a.no_async:
+        report["async"] = _async_rows(m, a, conc, rates, prompts, params, plain, spec, imposed)
     if a.draft_model:
         report["dspark"] = _dspark_rows(m, a, conc, prompts, params, plain)
     if not a.no_planner:

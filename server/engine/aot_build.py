@@ -116,7 +116,7 @@ def serving_programs(engine, context=contextlib.nullcontext, want=lambda name: T
                     yield Built(n, None, 0.0, "not lowered: its step program did not lower")
                 continue
             if sp:
-                logits, _, rows, spec, _ = src.out_info
+                logits, _, rows, spec = src.out_info[:4]
                 for u, n in zip((False, True), snames):
                     yield _attempt(n, lambda u=u: run._sample_spec_jit[u].lower(logits, rows, spec, run.table),
                                    context)[0]

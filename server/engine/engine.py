@@ -75,10 +75,10 @@ class Engine:
         "num_speculative_tokens": k, "max_rows": N (optional: no drafts while more than N
         requests run), ...the method's options}``. Decode rows carry up to ``k`` drafts, verified
         in the step; emitted tokens are exactly those of plain decoding (greedy, and seeded
-        sampling too). ``drafter`` (tests): an object with ``propose(req, max_tokens)`` and
-        ``finish(req, keep)`` used instead of the method's. Speculation runs under every recipe
-        (attention DP: each group journals in its own block of entries), with synchronous
-        scheduling."""
+        sampling too). ``drafter`` (tests): an object with ``propose(req, max_tokens, after=())``
+        and ``finish(req, keep)`` used instead of the method's. Speculation runs under every
+        recipe (attention DP: each group journals in its own block of entries), with async or
+        synchronous scheduling (async: ``spec_follow.py``)."""
         from .dispatch import LocalDispatch
 
         cfg = model.config
@@ -106,12 +106,14 @@ class Engine:
                 drafter = make_drafter(speculative)
             elif spec_k < 1:
                 raise ValueError(f"num_speculative_tokens must be >= 1, got {spec_k}")
-            async_scheduling = False  # the drafts need the last token on the host
         self.drafter = drafter if spec_k else None
         self.spec_k = spec_k
         self.spec_method = (speculative or {}).get("method") if spec_k else None  # GetServerInfo
         self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.spec_accept_counts = [0] * (spec_k + 1)  # decode rows with drafts, by drafts accepted
+        # async: rows whose host drafts assumed the outcome of an in-flight verify row, and how
+        # many of those guesses held (the others verified no drafts)
+        self.spec_guess_rows = self.spec_guess_held = 0
         # the device calls made while serving, by name (server.cluster: replayed on followers)
         self.dispatch = dispatch if dispatch is not None else LocalDispatch()
         if compilation_cache_dir:  # process-global; entry points normally set it (compile_cache.py)
@@ -435,7 +437,11 @@ class Engine:
                 req.num_computed += row.num_tokens
                 touched[req.rid] = req
                 if row.samples:
+                    if row.guess >= 0:  # its drafts assume the in-flight row's outcome
+                        req.follow_guess = (req.sample_row[0], row.assumed, row.guess, row)
                     req.pending += 1
+                    req.pending_drafts += len(row.drafts)
+                    req.inflight_drafts = row.drafts
                     req.sample_row = (launched.step, int(launched.index[i]))
         if self.async_scheduling:
             done, self._inflight = self._inflight, launched
@@ -475,15 +481,17 @@ class Engine:
             if not row.samples:
                 continue
             req.pending -= 1
+            req.pending_drafts -= len(row.drafts) - row.dropped
             if req.finished:  # finished (stop seen late, or aborted) while this step ran: drop it
                 continue
             touched[req.rid] = req
             if out.accepted is not None:  # speculative: the accepted drafts and one token more
-                self._take_verified(req, row, out, i)
+                self._take_verified(req, row, out, i, done.step)
                 if out.drafts is not None and not req.finished:  # DSpark: the block proposed after them
                     self.drafter.offer(req, out.drafts[i])
                 continue
             tok = int(out.tokens[i])
+            self._check_guess(req, done.step, 0, tok)
             self._append(req, tok, out, i)
             if req.export:  # P/D prefill: read the cache out before it is freed (handoff.py)
                 self._export(req, tok)
@@ -501,23 +509,30 @@ class Engine:
             req.logprobs.append((float(out.logprob[at]),
                                  [(int(a), float(b)) for a, b in zip(out.top_ids[at][:n], out.top_logprobs[at][:n])]))
 
-    def _take_verified(self, req: Request, row, out, i: int) -> None:
+    def _take_verified(self, req: Request, row, out, i: int, step: int) -> None:
         """A speculative step's row: emit the target's tokens at positions ``0 .. accepted``
         (drafts kept while they equal them, then the correction or the bonus token), checking
         stops after each — a stop id or string, ``max_new_tokens`` or ``max_model_len`` inside
         the block ends the request there and drops the rest. The cache keeps only committed
         tokens: ``num_computed`` loses the rejected drafts (their MLA rows are overwritten
-        later) and the next step folds the accepted ones into the KDA state."""
-        d = len(row.drafts)
+        later) and the next step folds the accepted ones into the KDA state.
+
+        Async scheduling: a row planned after this one while it ran (``req.sample_row`` names a
+        later step) already folded the accepted drafts on the device, and a row of a request
+        preempted since (``row.epoch``) commits nothing to a cache it no longer has."""
+        d = len(row.drafts) - row.dropped
         a = int(out.accepted[i]) if row.decode else 0
+        self._check_guess(req, step, a, int(out.tokens[i, a]))
         if row.decode and d:
             self.spec_draft_tokens += d
             self.spec_accepted_tokens += a
             req.spec_draft_tokens += d
             req.spec_accepted_tokens += a
             self.spec_accept_counts[a] += 1
-        req.num_computed -= d - a
-        req.spec_fold = a if row.decode else 0
+        if row.epoch == req.num_preemptions:
+            req.num_computed -= d - a
+            followed = req.sample_row is not None and req.sample_row[0] != step
+            req.spec_fold = a if row.decode and not followed else 0
         for j in range(a + 1):
             tok = int(out.tokens[i, j])
             self._append(req, tok, out, i, j)
@@ -529,6 +544,26 @@ class Engine:
                 return
         if self.prefix_cache is not None:
             self.prefix_cache.register_ready(req)
+
+    def _check_guess(self, req: Request, step: int, accepted: int, last: int) -> None:
+        """Step ``step``'s row of ``req`` accepted ``accepted`` drafts and emitted ``last`` last.
+        If a row in flight after it carries host drafts that assumed another outcome, the
+        device drops them (``spec_follow``): that row will emit one token, so it counts no
+        drafts from now on and the row after it is planned exactly."""
+        g = req.follow_guess
+        if g is None or g[0] != step:
+            return
+        req.follow_guess = None
+        _, assumed, guess, nxt = g
+        held = accepted == assumed and last == guess
+        self.spec_guess_rows += 1
+        self.spec_guess_held += held
+        if not held and nxt.epoch == req.num_preemptions:
+            nxt.dropped = len(nxt.drafts)
+            req.num_computed -= nxt.dropped
+            req.pending_drafts -= nxt.dropped
+            if req.inflight_drafts is nxt.drafts:
+                req.inflight_drafts = ()
 
     def _export(self, req: Request, tok: int) -> None:
         from .handoff import Handoff
@@ -575,6 +610,8 @@ class Engine:
             "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens,
             "spec_accept_counts": list(self.spec_accept_counts),
+            "spec_guess_rows": self.spec_guess_rows,  # async: rows whose drafts assumed an in-flight row's outcome
+            "spec_guess_held": self.spec_guess_held,  # and whose assumption held
             "spec_steps": self.runner.spec_steps,  # on the speculative program; the other steps ran the plain one
             "num_steps": self.num_steps,
             "num_preemptions": self.num_preemptions,

@@ -8,7 +8,10 @@ recomputed later from ``prompt + output`` — generated tokens are kept, never r
 With async scheduling a sampled token can still be on the device when the next step is
 planned: ``pending`` counts such tokens (at most one per in-flight step) and
 ``sample_row`` names the (step, row) whose device output holds the newest one, so the next
-step can feed it as its input without the host ever seeing it first.
+step can feed it as its input without the host ever seeing it first. Under speculative
+decoding an in-flight verify row may emit up to ``1 + pending_drafts`` tokens: until it
+returns, the request counts them all (``num_tokens``, ``num_generated`` and ``num_computed``
+are upper bounds) and the next row's start is corrected on the device (``runner``).
 """
 from __future__ import annotations
 
@@ -77,6 +80,11 @@ class Request:
     emitted: int = 0  # output tokens already handed to the caller
     pending: int = 0  # sampled tokens not yet back on the host (async scheduling)
     sample_row: tuple[int, int] | None = None  # (step number, row) of the newest pending token
+    # speculative + async: drafts on the in-flight row, counted as accepted until its step returns
+    # (an optimistic ``num_computed`` and ``num_tokens``; the next row's start is corrected on the device)
+    pending_drafts: int = 0
+    inflight_drafts: tuple = ()  # the drafts of the newest in-flight row (a host drafter proposes after them)
+    follow_guess: tuple | None = None  # (step, drafts, token) a launched follow row assumed of that step's row
     salt: bytes = b""  # prefix-cache tenant (prefix.tenant_salt): requests of two tenants share nothing
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     boundaries: set = dataclasses.field(default_factory=set)  # extra snapshot boundaries (prefix cache)
@@ -113,8 +121,9 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt + generated tokens, counting those still on the device."""
-        return len(self.prompt) + len(self.output) + self.pending
+        """Prompt + generated tokens, counting those still on the device (an in-flight verify
+        row's drafts as if all were accepted: at most this many)."""
+        return len(self.prompt) + len(self.output) + self.pending + self.pending_drafts
 
     @property
     def num_known(self) -> int:
@@ -123,7 +132,7 @@ class Request:
 
     @property
     def num_generated(self) -> int:
-        return len(self.output) + self.pending
+        return len(self.output) + self.pending + self.pending_drafts
 
     @property
     def remaining(self) -> int:

@@ -53,11 +53,15 @@ from ...intmath import cdiv
 from ...model.step import FlatBatch, token_buckets
 from .process_barrier import wait_for_processes
 from .sampler import SamplerInputs, record_tokens, row_settings, sample, token_table_row, uses_penalties
+from .spec_follow import follow_rows
 
-_SUPPRESS, _RECORD = 1, 2  # per-row flag bits
+# per-row flag bits: suppress the stop ids now; count the sampled token into the token table; the
+# request has ids to suppress before ``min_new_tokens`` (a speculative step decides per position on
+# the device); the row's drafts are the previous step's block on the device (DSpark, async)
+_SUPPRESS, _RECORD, _SUPP_IDS, _DEV_DRAFTS = 1, 2, 4, 8
 # per-row int columns of the packed metadata, then 6 float columns (f32 bits)
 _COLS = ("start", "q_len", "read_slot", "write_slot", "fresh", "logits_idx", "first_tok", "from_prev", "trow",
-         "top_k", "seed", "step", "flags", "decode", "fold", "jrow")
+         "top_k", "seed", "step", "flags", "decode", "fold", "jrow", "ndraft", "assumed", "guess", "min_new")
 _NUM_COLS = len(_COLS) + 6
 
 
@@ -82,8 +86,7 @@ class _Layout:
     token bucket): tokens ``[3, T]`` (ids, positions, rows), row columns ``[R, _NUM_COLS]``,
     page table ``[R, P]``, ``cu_q_lens`` ``[dp, R/dp + 1]``, snapshots ``[3, NS]`` (row,
     tokens, slot; ``NS / dp`` per DP group, in the group's block); with speculative decoding
-    (``n`` verify positions a row) the token of each position to sample ``[R, n]`` (-1: none)
-    and whether it suppresses the stop ids ``[R, n]``."""
+    (``n`` verify positions a row) the token of each position to sample ``[R, n]`` (-1: none)."""
 
     T: int
     R: int
@@ -94,7 +97,7 @@ class _Layout:
 
     @property
     def parts(self):
-        spec = (("lidx", (self.R, self.n)), ("supp", (self.R, self.n))) if self.n > 1 else ()
+        spec = (("lidx", (self.R, self.n)),) if self.n > 1 else ()
         return (("tok", (3, self.T)), ("rows", (self.R, _NUM_COLS)), ("table", (self.R, self.P)),
                 ("cu", (self.dp, self.R // self.dp + 1)), ("snap", (3, self.NS))) + spec
 
@@ -231,6 +234,7 @@ class Runner:
         # (a request slot: under attention DP dp * ceil(max_num_seqs / dp), not max_num_seqs)
         rows = cache_mgr.capacity_plan.max_concurrent_slots
         self.abstract = abstract
+        block_w = draft.cfg.block_size if draft is not None else max(k, 1)  # a DSpark step's proposed block
         keep = {}  # on a mesh the table stays replicated, call after call
         if par is not None:
             from jax.sharding import NamedSharding, PartitionSpec
@@ -239,13 +243,18 @@ class Runner:
         if abstract:  # placed like the cache (replicated on a mesh)
             where = keep.get("out_shardings") or jax.tree.leaves(cache_mgr.device_cache)[0].sharding
             self._zero_prev = jax.ShapeDtypeStruct((R,), jnp.int32, sharding=where)
+            self._zero_block = jax.ShapeDtypeStruct((R, block_w), jnp.int32, sharding=where)
             self.table = jax.ShapeDtypeStruct((rows + 1, V), jnp.int32, sharding=where)
         else:
+            # a speculative step's previous-step inputs when that step had none: no tokens, no
+            # accepted drafts (the zeros of ``_zero_prev``), no proposed block
             self._zero_prev = jnp.zeros(R, jnp.int32)
+            self._zero_block = jnp.zeros((R, block_w), jnp.int32)
             self.table = jnp.zeros((rows + 1, V), jnp.int32)
             if keep:
                 self.table = jax.device_put(self.table, keep["out_shardings"])
                 self._zero_prev = jax.device_put(self._zero_prev, keep["out_shardings"])
+                self._zero_block = jax.device_put(self._zero_block, keep["out_shardings"])
         # the step's metadata goes in replicated on a mesh: left to the partitioner, XLA:TPU
         # split the row columns across devices (one row index per shard) and its
         # reduce-scatter legalizer then failed (a RET_CHECK; v7-32-prefill at 4 rows)
@@ -261,15 +270,19 @@ class Runner:
         self.unroll_layers = False
         graphdef = model.graphdef
 
-        def fn(params, cache, meta, prev, journal=None, *, lay: _Layout):
+        def fn(params, cache, meta, prev, journal=None, prev_acc=None, prev_block=None, *, lay: _Layout):
             m = lay.split(meta)
             rows = m["rows"]
             col = _columns(rows)
             ids, pos, tok_row = m["tok"][0], m["tok"][1], m["tok"][2]
             # decode rows whose input is the previous step's sample (still on the device)
             has_prev = col["from_prev"] >= 0
-            ids = ids.at[jnp.where(has_prev, col["first_tok"], lay.T)].set(prev[jnp.maximum(col["from_prev"], 0)],
-                                                                            mode="drop")
+            fp = jnp.maximum(col["from_prev"], 0)
+            ids = ids.at[jnp.where(has_prev, col["first_tok"], lay.T)].set(prev[fp], mode="drop")
+            if journal is not None:  # rows after an in-flight verify row: their start, fold, drafts
+                rows, ids, pos = follow_rows(rows, ids, pos, tok_row, prev[fp], prev_acc[fp], prev_block[fp], lay,
+                                             _COLS, _DEV_DRAFTS)
+                col = _columns(rows)
             snap = m["snap"]
             fb = FlatBatch(ids=ids, pos=pos, tok_row=tok_row, cu_q_lens=m["cu"].reshape(-1), start_pos=col["start"],
                            q_lens=col["q_len"], read_slot=col["read_slot"], write_slot=col["write_slot"],
@@ -284,10 +297,12 @@ class Runner:
                 # the sampler's view of the drafts: each row's tokens 1 .. k, and the suppression per position
                 # (by the rows' global first tokens: under attention DP ``cu_q_lens`` counts within a group)
                 at = jnp.minimum(col["first_tok"][:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :], lay.T - 1)
-                spec = jnp.concatenate([ids[at], m["supp"]], axis=1)
+                supp = ((col["flags"] & _SUPP_IDS) != 0)[:, None] & (
+                    col["step"][:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :] < col["min_new"][:, None])
+                spec = jnp.concatenate([ids[at], supp.astype(jnp.int32)], axis=1)
                 if par is not None:
                     cache = par.pin_cache(cache)
-                return (logits, cache, rows, spec, journal) + taps
+                return (logits, cache, rows, spec, journal, jnp.stack([ids, pos, tok_row])) + taps
             logits, cache = nnx.merge(graphdef, params).step(fb, cache, par=par, unroll=self.unroll_layers)
             if par is not None:  # the cache goes out in the layout it came in (warm-up's AOT programs fix it)
                 cache = par.pin_cache(cache)
@@ -315,7 +330,7 @@ class Runner:
             col = _columns(rows)
             inp = _sampler_inputs(rows, table)
             drafts, supp = spec[:, :k], spec[:, k:] != 0
-            num_drafts = jnp.where(col["decode"] != 0, jnp.maximum(col["q_len"] - 1, 0), 0)
+            num_drafts = jnp.where(col["decode"] != 0, col["ndraft"], 0)
             vin = verify_sampler_inputs(inp, drafts, num_drafts, supp, use_table=use_table)
             out = sample(logits, vin, max_logprobs)
             Rn = rows.shape[0]
@@ -325,8 +340,8 @@ class Runner:
             for j in range(n):  # the emitted tokens: positions 0 .. accepted
                 table = record_tokens(table, col["trow"], out.tokens[:, j], record & (j <= acc))
             last = jnp.take_along_axis(out.tokens, acc[:, None], axis=1)[:, 0]
-            tokens = last if Rn == R else jnp.zeros(R, jnp.int32).at[:Rn].set(last)
-            return (out, acc), tokens, table
+            pad = lambda a: a if Rn == R else jnp.zeros(R, jnp.int32).at[:Rn].set(a)  # noqa: E731
+            return (out, acc), pad(last), table, pad(acc)
 
         def sample_fn(logits, rows, table):
             """Sampling for a step's rows (``[R, _NUM_COLS]`` of its metadata): a program of its
@@ -347,16 +362,20 @@ class Runner:
 
         self._step_fn = fn
 
-        def draft_fn(dparams, params, cache, meta, taps, acc, last, *, lay: _Layout):
-            """The DSpark program of a step (``spec.dspark_drafting.draft_block``)."""
+        def draft_fn(dparams, params, cache, meta, tok, rows, taps, acc, last, *, lay: _Layout):
+            """The DSpark program of a step (``spec.dspark_drafting.draft_block``) on the step's
+            tokens and rows as it ran them (``tok``, ``rows``: starts and positions corrected);
+            each row's block comes back ``[R, block_size]`` (the next step's ``prev_block``)."""
             from ..spec.dspark_drafting import draft_block
 
             m = lay.split(meta)
-            rows = m["rows"]
             fl = jax.lax.bitcast_convert_type(rows[:, len(_COLS):], jnp.float32)
-            return draft_block(nnx.merge(self._draft_graph, dparams), nnx.merge(graphdef, params), cache, m["tok"],
-                               _columns(rows), m["table"], fl, acc, last, taps, self._draft_layer0,
-                               model.config.kernels)
+            block, cache = draft_block(nnx.merge(self._draft_graph, dparams), nnx.merge(graphdef, params), cache,
+                                       tok, _columns(rows), m["table"], fl, acc, last, taps, self._draft_layer0,
+                                       model.config.kernels)
+            Rn = block.shape[0]
+            block = jnp.zeros((R, block.shape[1]), jnp.int32).at[:Rn].set(block.astype(jnp.int32))
+            return block, cache
 
         self._draft_body = draft_fn
         self._sample_jit = programs.jit(sample_fn, "sample", donate_argnums=(2,))
@@ -410,8 +429,11 @@ class Runner:
         # a speculating engine runs a step on its speculative program only when a row carries
         # drafts or has accepted drafts to fold; otherwise the plain program does the same work
         # for fewer logits, no journal and plain sampling
+        # (or, with async scheduling, follows an in-flight verify row: its start and fold are the
+        # device's to correct)
         spec = self.n_pos > 1 and (self.draft is not None or any(
-            getattr(r, "drafts", ()) or (getattr(r, "decode", False) and r.req.spec_fold) for r in rows))
+            getattr(r, "drafts", ()) or getattr(r, "assumed", 0) or (getattr(r, "decode", False) and r.req.spec_fold)
+            for r in rows))
         lay = self.layout(Tg, spec)
         meta = np.zeros(lay.size, np.int32)
         m = lay.split(meta)
@@ -420,7 +442,7 @@ class Runner:
         fl = rcols[:, len(_COLS):].view(np.float32)
         Rg = lay.R // self.dp
         tok[2] = -1  # padding tokens belong to no row
-        col["logits_idx"][:] = col["from_prev"][:] = col["jrow"][:] = -1
+        col["logits_idx"][:] = col["from_prev"][:] = col["jrow"][:] = col["guess"][:] = -1
         if spec:
             m["lidx"][:] = -1
         col["write_slot"][:] = self.num_slots  # rows without tokens write nothing
@@ -446,11 +468,17 @@ class Runner:
             cu[g, lr + 1:] = t0 + n
             index[i] = ri
             known = req.num_known
+            assumed = getattr(r, "assumed", 0)
             if r.start + base > known:  # the input token is the previous step's sample
-                if (n != 1 or r.start != known or prev is None or req.sample_row is None
-                        or req.sample_row[0] != prev.step):
+                # (after an in-flight verify row: where its drafts would end, all accepted)
+                if (base != 1 or r.start != known + assumed or prev is None or req.sample_row is None
+                        or req.sample_row[0] != prev.step or (assumed and not spec)):
                     raise RuntimeError(f"{req.rid}: input token {r.start} is not available from the previous step")
                 col["from_prev"][ri] = req.sample_row[1]
+                col["assumed"][ri], col["guess"][ri] = assumed, getattr(r, "guess", -1)
+                tok[0, ti + base:ti + n] = drafts
+            elif assumed:
+                raise RuntimeError(f"{req.rid}: a row after an in-flight verify row must take its input from it")
             else:
                 tok[0, ti:ti + base] = req.token_slice(r.start, r.start + base)
                 tok[0, ti + base:ti + n] = drafts
@@ -466,13 +494,13 @@ class Runner:
             col["first_tok"][ri], col["logits_idx"][ri] = ti, ti + n - 1
             col["step"][ri] = req.num_generated
             col["decode"][ri] = bool(getattr(r, "decode", False))
+            col["ndraft"][ri], col["min_new"][ri] = len(drafts), req.params.min_new_tokens
             table[ri] = self.cache_mgr.page_table_row(req.rid, self.page_width)
             p = req.params
             sup = bool(req.num_generated < p.min_new_tokens and self._suppress_ids(p))
             if spec:  # every verify position of a decode row is sampled; a prefill row's last token
                 npos = n if col["decode"][ri] else 1
                 m["lidx"][ri, :npos] = np.arange(ti + n - npos, ti + n)
-                m["supp"][ri, :npos] = [bool(sup and req.num_generated + j < p.min_new_tokens) for j in range(npos)]
                 if col["decode"][ri]:
                     col["jrow"][ri] = self._journal_entry(req.rid, groups[i])
                     col["fold"][ri], req.spec_fold = req.spec_fold, 0  # last step's accepted drafts
@@ -483,7 +511,12 @@ class Runner:
                 trow = self._init_row(req)
             if trow is not None:  # once a request has a row, every token it samples is counted
                 col["trow"][ri] = trow
-                col["flags"][ri] = (_SUPPRESS if sup else 0) | (_RECORD if getattr(r, "samples", True) else 0)
+                col["flags"][ri] = ((_SUPPRESS if sup else 0) | (_RECORD if getattr(r, "samples", True) else 0)
+                                    | (_SUPP_IDS if self._suppress_ids(p) else 0))
+            if getattr(r, "device_drafts", False):
+                if col["from_prev"][ri] < 0:
+                    raise RuntimeError(f"{req.rid}: device drafts on a row that does not follow the previous step")
+                col["flags"][ri] |= _DEV_DRAFTS
         snap, NSg = m["snap"], Rg
         per = [0] * self.dp
         for i, n_tok, slot in snaps:
@@ -509,22 +542,24 @@ class Runner:
         verify position gets its own table row. Returns (step number, outputs, tokens)."""
         self.buckets_used.add(T)
         if prev_step < 0:
-            prev_tokens = self._zero_prev
+            prev_tokens, prev_acc, prev_block = self._zero_prev, None, None
         elif prev_step in self._step_tokens:
-            prev_tokens = self._step_tokens[prev_step]
+            prev_tokens, prev_acc, prev_block = self._step_tokens[prev_step]
         else:
             raise RuntimeError(f"step {prev_step}'s tokens are gone (only {sorted(self._step_tokens)} are kept)")
         fn = self._compiled.get((T, spec)) or self._jit(T, spec)
+        acc = block = None
         if spec:
             meta_dev = jax.device_put(meta, self._meta_sharding)
-            logits, self.cache_mgr.device_cache, rows_dev, drafts, self.journal, *taps = fn(
-                self.model.params, self.cache_mgr.device_cache, meta_dev, prev_tokens, self.journal)
-            out, tokens, self.table = self._spec_sampler(self.layout(T).R, use_table)(logits, rows_dev, drafts,
-                                                                                      self.table)
+            logits, self.cache_mgr.device_cache, rows_dev, drafts, self.journal, tok_dev, *taps = fn(
+                self.model.params, self.cache_mgr.device_cache, meta_dev, prev_tokens, self.journal,
+                self._zero_prev if prev_acc is None else prev_acc, self._zero_block if prev_block is None else prev_block)
+            out, tokens, self.table, acc = self._spec_sampler(self.layout(T).R, use_table)(logits, rows_dev, drafts,
+                                                                                           self.table)
             if self.draft is not None:  # the next blocks, proposed after this step's tokens
                 block, self.cache_mgr.device_cache = self._draft_jit(T)(
-                    self._draft_params, self.model.params, self.cache_mgr.device_cache, meta_dev, taps[0], out[1],
-                    tokens)
+                    self._draft_params, self.model.params, self.cache_mgr.device_cache, meta_dev, tok_dev, rows_dev,
+                    taps[0], out[1], tokens)
                 out = (*out, block)
         else:
             logits, self.cache_mgr.device_cache, rows_dev = fn(
@@ -533,7 +568,9 @@ class Runner:
             out, tokens, self.table = self._sampler(self.layout(T).R)(logits, rows_dev, self.table)
         self.num_steps += 1
         self.spec_steps += bool(spec)
-        self._step_tokens[self.num_steps] = tokens
+        # what the next step's rows that follow this one's read: the last emitted tokens and,
+        # of a speculative step, the drafts accepted and the blocks proposed
+        self._step_tokens[self.num_steps] = (tokens, acc, block)
         self._step_tokens.pop(self.num_steps - 2, None)
         return self.num_steps, out, tokens
 
@@ -664,7 +701,7 @@ class Runner:
         rows[:, _COLS.index("jrow")] = -1
         if spec:
             m["lidx"][:] = -1
-        journal = (self.journal,) if spec else ()
+        journal = (self.journal, self._zero_prev, self._zero_block) if spec else ()
         if self.abstract:  # placed as ``_run_step`` places it: replicated on a mesh
             return (jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=self._meta_sharding), self._zero_prev,
                     *journal)
@@ -722,15 +759,15 @@ class Runner:
         # run each program once (first-run allocations), with the cache and table flowing through
         for T, sp in shapes:
             if sp:
-                meta, prev, journal = self._padding_args(T, sp)
-                logits, self.cache_mgr.device_cache, rows, spec, self.journal, *taps = self._compiled[(T, sp)](
-                    self.model.params, self.cache_mgr.device_cache, meta, prev, journal)
+                meta, prev, journal, pacc, pblock = self._padding_args(T, sp)
+                logits, self.cache_mgr.device_cache, rows, spec, self.journal, tok, *taps = self._compiled[(T, sp)](
+                    self.model.params, self.cache_mgr.device_cache, meta, prev, journal, pacc, pblock)
                 for u in (False, True):
-                    out, last, self.table = self._spec_sampler(self.layout(T).R, u)(logits, rows, spec, self.table)
+                    out, last, self.table, _ = self._spec_sampler(self.layout(T).R, u)(logits, rows, spec, self.table)
                 if self.draft is not None:  # compiled here, on its first call
                     block, self.cache_mgr.device_cache = self._draft_jit(T)(
-                        self._draft_params, self.model.params, self.cache_mgr.device_cache, meta, taps[0], out[1],
-                        last)
+                        self._draft_params, self.model.params, self.cache_mgr.device_cache, meta, tok, rows, taps[0],
+                        out[1], last)
                     jax.block_until_ready(block)
                 jax.block_until_ready(out)
                 continue

@@ -21,6 +21,16 @@ With async scheduling the plan for step N+1 is made while step N runs: a request
 token of step N is still on the device counts it (``Request.pending``) and gets a decode
 row for it; a request that has generated all it may (``max_new_tokens`` or
 ``max_model_len``, pending tokens included) is not scheduled again.
+
+Speculative decoding with async scheduling: a verify row in flight emits between 1 and
+``1 + d`` tokens, unknown until its step returns. The request counts all ``d`` drafts as
+accepted meanwhile (``Request.pending_drafts``): its next row starts where they would end,
+takes pages for that worst case, and the step corrects the row's start on the device from
+the accepted count (``runner``). Its drafts are proposed after the in-flight drafts and a
+guessed last token (the drafter's ``propose(..., after=...)``: the first proposed token is the
+guess), and the device drops them unless the in-flight row accepted every draft and emitted
+that token; a drafter that proposes on the device (DSpark, ``on_device``) needs no guess: the
+row takes the block the previous step proposed after the tokens it actually emitted.
 """
 from __future__ import annotations
 
@@ -38,6 +48,13 @@ class ScheduledRow:
     samples: bool  # the chunk reaches the end of the request's tokens: sample a new token
     decode: bool = False  # a decode row: the request's last token (plus drafts), never a prefill chunk
     drafts: tuple = ()  # speculative: proposed tokens after the last one (counted in num_tokens)
+    # speculative + async, a decode row whose input is still on the device: the in-flight row's
+    # drafts its start counts as accepted (the device subtracts the rejected ones) ...
+    assumed: int = 0
+    guess: int = -1  # ... and the token that row must emit last for ``drafts`` to stand (-1: any)
+    device_drafts: bool = False  # the drafts are the previous step's block on the device (DSpark)
+    epoch: int = 0  # the request's preemptions when planned (a row of a preempted request commits nothing)
+    dropped: int = 0  # drafts the host learnt the device drops (the guess failed) while the row was in flight
 
 
 @dataclasses.dataclass
@@ -110,16 +127,26 @@ class Scheduler:
                 return False
         return True
 
-    def _drafts(self, req: Request, budget: int) -> tuple:
-        """The drafts of ``req``'s decode row: what the drafter proposes, cut so that the row fits
-        the budget and the emitted tokens (at most drafts + 1) stay within ``max_new_tokens`` and
-        ``max_model_len``."""
+    def _drafts(self, req: Request, budget: int) -> tuple[tuple, int, bool]:
+        """The drafts of ``req``'s decode row, the token they assume the in-flight row emits
+        last (-1: none assumed) and whether they are the device's block (DSpark): what the
+        drafter proposes, cut so that the row fits the budget and the emitted tokens (at most
+        drafts + 1) stay within ``max_new_tokens`` and ``max_model_len`` (counting the in-flight
+        drafts as accepted). With the row's input still on the device, a host drafter proposes
+        after the in-flight drafts: its first token is the guessed input, the rest the drafts."""
         room = min(self.max_drafts, budget - 1, req.params.max_new_tokens - req.num_generated - 1)
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - req.num_tokens - 1)
-        if room <= 0 or req.pending:
-            return ()
-        return tuple(int(t) for t in self.drafter.propose(req, room)[:room])
+        if room <= 0:
+            return (), -1, False
+        if not req.pending:
+            return tuple(int(t) for t in self.drafter.propose(req, room)[:room]), -1, False
+        if getattr(self.drafter, "on_device", False):
+            return (0,) * room, -1, True
+        got = [int(t) for t in self.drafter.propose(req, room + 1, after=req.inflight_drafts)[:room + 1]]
+        if len(got) < 2:
+            return (), -1, False
+        return tuple(got[1:]), got[0], False
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.running.remove(req)
@@ -144,10 +171,12 @@ class Scheduler:
                 continue
             n = min(req.remaining, self.chunk_size, budget)
             decode = req.remaining == 1
-            drafts = self._drafts(req, budget) if decode and speculate else ()
+            drafts, guess, on_dev = self._drafts(req, budget) if decode and speculate else ((), -1, False)
             if drafts and not self._grow(req, req.num_computed + 1 + len(drafts)):
                 drafts = ()  # no pages for the drafts: decode without them (no preemption for a guess)
             n += len(drafts)
+            if req.pending_drafts and not self._grow(req, req.num_computed + n):
+                continue  # pages for in-flight drafts that may be rejected: wait for the step, preempt no one
             while not self._grow(req, req.num_computed + n):
                 # only a request of the same attention DP group frees pages this one can use
                 group = self.cache_mgr.group_of(req.rid)
@@ -163,7 +192,8 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue
             plan.rows.append(ScheduledRow(req, req.num_computed, n, req.num_computed + n - len(drafts) == req.num_tokens,
-                                          decode, drafts))
+                                          decode, drafts, req.pending_drafts if decode else 0,
+                                          guess if drafts else -1, on_dev and bool(drafts), req.num_preemptions))
             scheduled.add(req.rid)
             budget -= n
         # admit waiting requests (not ones preempted in this very step)
@@ -197,6 +227,7 @@ class Scheduler:
             if pre:
                 plan.reserved.append(req)
                 continue
-            plan.rows.append(ScheduledRow(req, req.num_computed, n, req.num_computed + n == req.num_tokens))
+            plan.rows.append(ScheduledRow(req, req.num_computed, n, req.num_computed + n == req.num_tokens,
+                                          epoch=req.num_preemptions))
             budget -= n
         return plan

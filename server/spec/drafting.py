@@ -3,7 +3,11 @@
 A drafter here follows the engine's requests: :meth:`propose` is called with the request
 (``server.engine.request.Request``: its ``prompt``, committed ``output``, ``rid`` and tenant
 ``salt``) and the most drafts its row may carry; :meth:`finish` when the request leaves (done,
-aborted or failed). The drafter feeds itself the tokens the request committed since its last
+aborted or failed). With async scheduling a row may be planned while the request's previous
+row is still on the device: then ``propose(req, max_tokens, after=drafts)`` proposes for the
+committed tokens followed by that row's drafts (all assumed accepted), and its first token is
+taken as the guess of the token that row emits last (``scheduler``; at most ``k + 1``
+tokens). The drafter feeds itself the tokens the request committed since its last
 call, so the engine never has to tell it what was accepted.
 
 * ``ngram`` (prompt lookup, ``ngram.NgramIndex``): one index per request over prompt + output.
@@ -34,7 +38,7 @@ class NgramEngineDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self._index: dict[str, tuple[NgramIndex, int]] = {}  # rid -> (index, output tokens fed)
 
-    def propose(self, req, max_tokens: int) -> list[int]:
+    def propose(self, req, max_tokens: int, after=()) -> list[int]:
         got = self._index.get(req.rid)
         if got is None:
             index = NgramIndex(self.max_ngram, self.min_ngram, self.k)
@@ -44,7 +48,7 @@ class NgramEngineDrafter:
             index, fed = got
         index.extend(req.output[fed:])
         self._index[req.rid] = (index, len(req.output))
-        return index.propose(min(max_tokens, self.k))
+        return index.propose(min(max_tokens, self.k + 1), after)
 
     def finish(self, req, keep: bool = True) -> None:
         self._index.pop(req.rid, None)
@@ -59,7 +63,7 @@ class SuffixEngineDrafter:
                                      max_tenant_sequences=max_tenant_sequences, min_match=min_match)
         self._fed: dict[str, int] = {}  # rid -> output tokens fed
 
-    def propose(self, req, max_tokens: int) -> list[int]:
+    def propose(self, req, max_tokens: int, after=()) -> list[int]:
         fed = self._fed.get(req.rid)
         if fed is None:
             prompt = req.prompt if self.max_prompt_tokens is None else req.prompt[-self.max_prompt_tokens:]
@@ -68,7 +72,7 @@ class SuffixEngineDrafter:
         if len(req.output) > fed:
             self.drafter.extend(req.rid, req.output[fed:])
         self._fed[req.rid] = len(req.output)
-        return self.drafter.propose(req.rid, min(max_tokens, self.k))
+        return self.drafter.propose(req.rid, min(max_tokens, self.k + 1), after)
 
     def finish(self, req, keep: bool = True) -> None:
         """``keep``: the output joins the tenant's trie (a finished request, not an aborted one)."""

@@ -43,7 +43,10 @@ import jax.numpy as jnp
 
 class DSparkEngineDrafter:
     """The host side: the last block the device proposed for each request, valid while the
-    request's sequence is the one it was proposed after."""
+    request's sequence is the one it was proposed after. ``on_device``: a row whose input is
+    still on the device (async scheduling) takes the previous step's block there instead."""
+
+    on_device = True
 
     def __init__(self, num_speculative_tokens: int) -> None:
         self.k = num_speculative_tokens
@@ -55,7 +58,9 @@ class DSparkEngineDrafter:
         self._blocks[req.rid] = (req.num_known, [int(t) for t in tokens[:self.k]])
         self.offered += 1
 
-    def propose(self, req, max_tokens: int) -> list[int]:
+    def propose(self, req, max_tokens: int, after=()) -> list[int]:
+        if after:  # the block after an in-flight row is on the device (the scheduler takes it there)
+            return []
         got = self._blocks.pop(req.rid, None)
         if got is None or got[0] != req.num_known:
             return []
@@ -106,8 +111,7 @@ def draft_block(draft, target, cache, tok, rows_col, table, fl, acc, last, taps,
     col = rows_col
     R = table.shape[0]
     decode = col["decode"] != 0
-    num_drafts = jnp.where(decode, jnp.maximum(col["q_len"] - 1, 0), 0)
-    anchor_pos = col["start"] + col["q_len"] - num_drafts + acc
+    anchor_pos = col["start"] + jnp.where(decode, 1, col["q_len"]) + acc  # a decode row: its input, then accepted
     ctx_lens = jnp.where(col["q_len"] > 0, anchor_pos, 0)  # every row proposes; the host keeps those that sampled
     anchor = last[:R]
     base = draft.propose_paged(anchor, anchor_pos, ctx_lens, table, pool, layer0, target.embed_tokens[...],

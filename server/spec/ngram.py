@@ -113,9 +113,14 @@ class NgramIndex:
                 latest_start[tuple(tokens[end - n + 1 : end + 1])] = end - n + 1
             tokens.append(int(token))
 
-    def propose(self, max_tokens: int | None = None) -> list[int]:
+    def propose(self, max_tokens: int | None = None, after: Sequence[int] = ()) -> list[int]:
         """The draft for the sequence so far: at most ``max_ngram - min_ngram + 1`` lookups
-        (shortest first; a missing n-gram means no longer one can occur), one on a miss."""
+        (shortest first; a missing n-gram means no longer one can occur), one on a miss.
+        ``after``: tokens not appended yet (an in-flight step's drafts): the draft for the
+        sequence followed by them, as if they were appended — they are, for the call, and
+        taken out again (``O(len(after) * max_ngram)``)."""
+        if after:
+            return self._propose_after(max_tokens, after)
         limit = _limit(self.max_tokens, max_tokens)
         tokens = self._tokens
         size = len(tokens)
@@ -127,3 +132,24 @@ class NgramIndex:
                     break
                 follow = start + n
         return tokens[follow : follow + limit] if follow >= 0 else []
+
+    def _propose_after(self, max_tokens: int | None, after: Sequence[int]) -> list[int]:
+        tokens, latest_start = self._tokens, self._latest_start
+        size, saved = len(tokens), {}
+        for token in after:  # extend, keeping what each new entry replaced
+            end = len(tokens) - 1
+            for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
+                key = tuple(tokens[end - n + 1 : end + 1])
+                if key not in saved:
+                    saved[key] = latest_start.get(key)
+                latest_start[key] = end - n + 1
+            tokens.append(int(token))
+        try:
+            return list(self.propose(max_tokens))
+        finally:
+            del tokens[size:]
+            for key, old in saved.items():
+                if old is None:
+                    del latest_start[key]
+                else:
+                    latest_start[key] = old

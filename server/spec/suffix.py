@@ -552,13 +552,17 @@ class SuffixDrafter:
         self._get(request_id).tree.clear()
         del self._requests[request_id]
 
-    def propose(self, request_id: Hashable, max_tokens: int | None = None) -> list[int]:
-        """The draft for a request's next tokens (``[]`` when no match is long enough)."""
+    def propose(self, request_id: Hashable, max_tokens: int | None = None, after: Sequence[int] = ()) -> list[int]:
+        """The draft for a request's next tokens (``[]`` when no match is long enough).
+        ``after``: tokens not appended yet (an in-flight step's drafts): the draft after the
+        request's tokens followed by them (matched as context; the trees do not hold them)."""
         request = self._get(request_id)
         limit = self.max_tokens if max_tokens is None else max_tokens
         if limit < 0:
             raise ValueError(f"max_tokens must be >= 0, got {limit}")
         context = request.tokens[-self.max_depth :]
+        if after:
+            context = (context + [int(t) for t in after])[-self.max_depth :]
         # a match shorter than min_match proposes nothing, and the tenant's tree wins only
         # with a longer match: neither search needs to look below that
         best_len, best_position = request.tree._longest_match(context, self.max_depth, self.min_match)

@@ -258,6 +258,8 @@ class PrefixCache:
         u = self.unit
         for i, row in enumerate(rows):
             req = row.req
+            if getattr(row, "assumed", 0):  # its start is known on the device only (async speculation)
+                continue
             first = (row.start // u + 1) * u
             # a speculative row's drafts are not committed: no snapshot may cover them
             ends = range(first, row.start + row.num_tokens - len(getattr(row, "drafts", ())) + 1, u)
