@@ -114,6 +114,7 @@ class Engine:
         # async: rows whose host drafts assumed the outcome of an in-flight verify row, and how
         # many of those guesses held (the others verified no drafts)
         self.spec_guess_rows = self.spec_guess_held = 0
+        self.sync_steps = 0  # async: steps planned after the previous one returned (``Scheduler.prefers_sync``)
         # the device calls made while serving, by name (server.cluster: replayed on followers)
         self.dispatch = dispatch if dispatch is not None else LocalDispatch()
         if compilation_cache_dir:  # process-global; entry points normally set it (compile_cache.py)
@@ -408,6 +409,11 @@ class Engine:
     def _step(self) -> list[RequestOutput]:
         # requests aborted since the last step still owe their final output
         touched: dict[str, Request] = dict(self._owed)
+        if self._inflight is not None and self.scheduler.prefers_sync():
+            # speculation whose guesses would mostly fail: this step is planned synchronously
+            done, self._inflight = self._inflight, None
+            self._process(done, touched)
+            self.sync_steps += 1
         step_plan = self.scheduler.schedule()
         for req in step_plan.reserved:  # P/D decode: a slot and pages wait for the handoff
             cb = self._on_reserved.pop(req.rid, None)
@@ -524,6 +530,7 @@ class Engine:
         a = int(out.accepted[i]) if row.decode else 0
         self._check_guess(req, step, a, int(out.tokens[i, a]))
         if row.decode and d:
+            req.spec_full_rate = 0.7 * req.spec_full_rate + 0.3 * (a == d)
             self.spec_draft_tokens += d
             self.spec_accepted_tokens += a
             req.spec_draft_tokens += d
@@ -612,6 +619,7 @@ class Engine:
             "spec_accept_counts": list(self.spec_accept_counts),
             "spec_guess_rows": self.spec_guess_rows,  # async: rows whose drafts assumed an in-flight row's outcome
             "spec_guess_held": self.spec_guess_held,  # and whose assumption held
+            "sync_steps": self.sync_steps,  # async: steps planned synchronously (low full-acceptance)
             "spec_steps": self.runner.spec_steps,  # on the speculative program; the other steps ran the plain one
             "num_steps": self.num_steps,
             "num_preemptions": self.num_preemptions,

@@ -84,7 +84,11 @@ class Request:
     # (an optimistic ``num_computed`` and ``num_tokens``; the next row's start is corrected on the device)
     pending_drafts: int = 0
     inflight_drafts: tuple = ()  # the drafts of the newest in-flight row (a host drafter proposes after them)
-    follow_guess: tuple | None = None  # (step, drafts, token) a launched follow row assumed of that step's row
+    follow_guess: tuple | None = None  # (step, drafts, token, row) a launched follow row assumed of that step's row
+    # how often its verify rows accepted every draft (an average over the last few, from 1): a
+    # guess of an in-flight row's outcome needs that; below ``scheduler.FOLLOW_MIN_FULL_RATE``
+    # the next row waits for the verify row to return (async speculation with a host drafter)
+    spec_full_rate: float = 1.0
     salt: bytes = b""  # prefix-cache tenant (prefix.tenant_salt): requests of two tenants share nothing
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     boundaries: set = dataclasses.field(default_factory=set)  # extra snapshot boundaries (prefix cache)
