@@ -1,7 +1,7 @@
 """Speculative decoding, side by side in one run: ``k3serve bench spec``.
 
     k3serve bench spec [--model DIR|demo] [--concurrency 1,8] [--k 4] [--rates 0,0.5,0.8,1]
-        [--prompt-len 32] [--gen-len 48] [--json OUT]
+        [--prompt-len 32] [--gen-len 48] [--draft-model DIR|synthetic] [--no-async] [--json OUT]
 
 Four parts, every figure a ratio to plain decoding measured in the same process:
 
@@ -23,7 +23,11 @@ Four parts, every figure a ratio to plain decoding measured in the same process:
    against plain decoding just before. With random weights (the demo model, a synthetic
    draft) nothing is accepted, so this row measures what drafting costs a step (the taps, the
    context rows, the block's forward, the speculative program), not what it gains.
-4. Every speculative run's tokens are checked equal to plain decoding's (greedy).
+4. **Async scheduling** (skipped with ``--no-async``): plain and imposed-rate speculation,
+   synchronous and async, back to back on the same prompts, with how many of the async
+   rows' guesses of their in-flight predecessor's outcome held.
+
+Every speculative run's tokens are checked equal to plain decoding's (greedy).
 """
 from __future__ import annotations
 
