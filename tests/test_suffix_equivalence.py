@@ -267,3 +267,37 @@ def test_engine_drafter_indexes_a_long_prompt_whole():
     assert drafter.propose(req, 2) == head[11:13]
     drafter.finish(req)
     assert drafter.drafter.num_tenant_sequences(b"tenant".hex()) == 1
+
+
+def test_engine_drafter_indexes_a_long_prompt_in_pieces():
+    """A prompt indexed ``index_tokens_per_call`` tokens per proposal: nothing is proposed until
+    all of it is in; from then on the proposals (after each output extension, with and without
+    ``after``) equal those of a drafter that indexed it whole, and the finished output — not the
+    prompt's later pieces — joins the tenant's tree. A request finished before its prompt was
+    all in keeps nothing."""
+    rng = random.Random(15)
+    head = [rng.randrange(300) for _ in range(30)]
+    prompt = head + [rng.randrange(300) for _ in range(200)] + head[:6]
+    whole, pieces = SuffixEngineDrafter(4, index_tokens_per_call=None), SuffixEngineDrafter(4, index_tokens_per_call=64)
+    a = SimpleNamespace(rid="r", salt=b"t", prompt=prompt, output=[])
+    b = SimpleNamespace(rid="r", salt=b"t", prompt=prompt, output=[])
+    assert whole.propose(a, 4) == head[6:10]
+    assert [pieces.propose(b, 4) for _ in range(3)] == [[], [], []]  # 236 tokens: pieces 1..3 of 4
+    assert pieces.propose(b, 4) == head[6:10]
+    for out in (head[6:9], head[6:14], head[6:14] + [7, 8]):
+        a.output = b.output = list(out)
+        for after in ((), (head[14],), (1, 2)):
+            assert pieces.propose(b, 5, after) == whole.propose(a, 5, after), (out, after)
+    whole.finish(a)
+    pieces.finish(b)
+    t = b"t".hex()
+    assert pieces.drafter.num_tenant_sequences(t) == whole.drafter.num_tenant_sequences(t) == 1
+    assert pieces.drafter.num_tenant_nodes(t) == whole.drafter.num_tenant_nodes(t)
+    c = SimpleNamespace(rid="c", salt=b"u", prompt=prompt, output=[])
+    assert pieces.propose(c, 4) == []
+    c.output = [1, 2]
+    pieces.finish(c)  # finished with its prompt half indexed: nothing kept, nothing left behind
+    assert pieces.drafter.num_tenant_sequences(b"u".hex()) == 0 and not pieces._prompt_left
+    with pytest.raises(ValueError, match="index_tokens_per_call"):
+        SuffixEngineDrafter(4, index_tokens_per_call=0)
+

@@ -523,10 +523,16 @@ class SuffixDrafter:
         tokens = tree.tokens(request_id)  # shared with the tree: extended through it
         self._requests[request_id] = _Request(tenant, len(tokens), tokens, tree)
 
-    def extend(self, request_id: Hashable, new_tokens: Iterable[int]) -> None:
-        """Append a request's newly accepted output tokens."""
+    def extend(self, request_id: Hashable, new_tokens: Iterable[int], prompt: bool = False) -> None:
+        """Append a request's newly accepted output tokens; ``prompt``: more of its prompt
+        (indexed in pieces: only before any output)."""
         request = self._get(request_id)
+        if prompt and request.prompt_len != len(request.tokens):
+            raise ValueError(f"request {request_id!r} already has output: its prompt cannot grow")
+        before = len(request.tokens)
         request.tree.extend(request_id, new_tokens)  # request.tokens is the tree's list
+        if prompt:
+            request.prompt_len += len(request.tokens) - before
 
     def finish(self, request_id: Hashable) -> None:
         """End a request: its output joins its tenant's tree (the oldest output there is
