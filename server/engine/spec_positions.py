@@ -22,9 +22,10 @@ from .sampler import SamplerInputs
 
 
 def suppress_positions(step, min_new_tokens, suppress_any, positions: int) -> np.ndarray:
-    """Host side: whether each verify position suppresses its row's stop ids, ``[R, n]`` bool:
-    while fewer than ``min_new_tokens`` tokens are generated (``step + j``), for rows that
-    have ids to suppress (``suppress_any``)."""
+    """Whether each verify position suppresses its row's stop ids, ``[R, n]`` bool: while fewer
+    than ``min_new_tokens`` tokens are generated (``step + j``), for rows that have ids to
+    suppress (``suppress_any``). Host-side numpy (tests); the runner's speculative step decides
+    the same on the device, from each row's ``step`` as corrected there (``spec_follow``)."""
     step = np.asarray(step)[:, None] + np.arange(positions)[None, :]
     return (step < np.asarray(min_new_tokens)[:, None]) & np.asarray(suppress_any, bool)[:, None]
 
