@@ -569,8 +569,7 @@ class Engine:
             nxt.dropped = len(nxt.drafts)
             req.num_computed -= nxt.dropped
             req.pending_drafts -= nxt.dropped
-            if req.inflight_drafts is nxt.drafts:
-                req.inflight_drafts = ()
+            req.inflight_drafts = ()  # that row is the newest in flight (one step runs at a time)
 
     def _export(self, req: Request, tok: int) -> None:
         from .handoff import Handoff

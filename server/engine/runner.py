@@ -497,7 +497,8 @@ class Runner:
             col["ndraft"][ri], col["min_new"][ri] = len(drafts), req.params.min_new_tokens
             table[ri] = self.cache_mgr.page_table_row(req.rid, self.page_width)
             p = req.params
-            sup = bool(req.num_generated < p.min_new_tokens and self._suppress_ids(p))
+            supp_ids = bool(self._suppress_ids(p))
+            sup = supp_ids and req.num_generated < p.min_new_tokens
             if spec:  # every verify position of a decode row is sampled; a prefill row's last token
                 npos = n if col["decode"][ri] else 1
                 m["lidx"][ri, :npos] = np.arange(ti + n - npos, ti + n)
@@ -512,7 +513,7 @@ class Runner:
             if trow is not None:  # once a request has a row, every token it samples is counted
                 col["trow"][ri] = trow
                 col["flags"][ri] = ((_SUPPRESS if sup else 0) | (_RECORD if getattr(r, "samples", True) else 0)
-                                    | (_SUPP_IDS if self._suppress_ids(p) else 0))
+                                    | (_SUPP_IDS if supp_ids else 0))
             if getattr(r, "device_drafts", False):
                 if col["from_prev"][ri] < 0:
                     raise RuntimeError(f"{req.rid}: device drafts on a row that does not follow the previous step")
