@@ -1,7 +1,10 @@
 """An ``smg`` router process in front of in-process servers, for ``k3serve bench pd --via smg``.
 
 smg (PyPI ``smg``, a dev dependency of k3serve) is started on free loopback ports, its log in a
-temporary file, and stopped on exit; ``start`` returns once it lists the model.
+temporary file, and stopped on exit; ``router`` yields once it lists the model.
+:func:`post_json` is the client side: a 503 from smg ("no available workers": a worker it
+briefly could not reach, say on a loaded machine) is retried for a bounded time, as clients of a
+router do, and any other HTTP error is raised with the router's own message.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 
@@ -28,6 +32,28 @@ def smg_binary() -> str:
     if not os.access(path, os.X_OK):
         raise FileNotFoundError("smg is not installed (pip install 'k3serve[dev]' or pip install smg)")
     return path
+
+
+def post_json(url: str, body: dict, *, timeout: float = 300.0, unavailable_s: float = 60.0) -> dict:
+    """POST ``body`` as JSON and return the parsed answer. A 503 is retried (after its
+    ``Retry-After``, at most 2 s apart) until ``unavailable_s`` has passed; an HTTP error is
+    raised as ``RuntimeError`` carrying the status and the body the router sent."""
+    data = json.dumps(body).encode()
+    deadline = time.monotonic() + unavailable_s
+    while True:
+        req = urllib.request.Request(url, data, {"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:2000]
+            if e.code != 503 or time.monotonic() > deadline:
+                raise RuntimeError(f"POST {url}: HTTP {e.code}: {detail}") from None
+            try:
+                wait = float(e.headers.get("Retry-After") or 0.5)
+            except ValueError:
+                wait = 0.5
+            time.sleep(min(max(wait, 0.1), 2.0))
 
 
 @contextlib.contextmanager
