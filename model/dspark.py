@@ -60,6 +60,7 @@ target's MLA pool (extra layers after the target's, the same pages), written by
 """
 from __future__ import annotations
 
+import types
 from typing import NamedTuple
 
 import jax
@@ -160,14 +161,18 @@ class DSparkAttention(nnx.Module):
         return self.o_proj(o.astype(x.dtype))
 
 
-    def attend_paged(self, x, positions, pool, layer, page_table, ctx_lens, backend: str = "reference"):
+    def attend_paged(self, x, positions, pool, layer, page_table, ctx_lens, backend: str = "reference", par=None):
         """:meth:`__call__` with the context rows in a paged pool: block queries ``x [R, S, D]``
         at ``positions [R, S]``; row ``r``'s context is its first ``ctx_lens[r]`` positions in
         layer ``layer`` of ``pool [layers, pages, page_size, W]`` through ``page_table [R, P]``
         (rows written by :meth:`DSparkDraft.write_context`; ``ctx_lens`` 0: no context). The
         context part runs as ragged paged MLA attention (``kernels.ops.mla_write_attend``, the
         target's kernel; every block query of a row sees the whole context), the block's own
-        rows densely, and the two softmax partials merge by their log-sum-exp."""
+        rows densely, and the two softmax partials merge by their log-sum-exp.
+
+        ``par`` (a ``sharding.parallel.StepParallel``): under a recipe the context part runs per
+        rank (``StepParallel.mla_attend_lse``: each DCP rank over its pages, merged exactly),
+        the rows laid out as the step's (``R`` = dp groups of rows, group-local row ids)."""
         from ..kernels import ops
 
         cfg = self.cfg
@@ -181,10 +186,18 @@ class DSparkAttention(nnx.Module):
         # the context: R rows of S queries each, all at the row's last context position
         ctx_lens = jnp.asarray(ctx_lens, jnp.int32)
         rows = jnp.arange(R, dtype=jnp.int32)
-        out_c, lse_c, _ = ops.mla_write_attend(
-            q_lat.reshape(R * S, H, Lr), q_pe.reshape(R * S, H, Rr), None, pool, layer, page_table,
-            jnp.repeat(rows, S), jnp.repeat(ctx_lens - 1, S), ctx_lens, jnp.arange(R + 1, dtype=jnp.int32) * S,
-            jnp.full((R,), S, jnp.int32), cfg.softmax_scale, Lr, backend=backend, return_lse=True)
+        if par is None:
+            out_c, lse_c, _ = ops.mla_write_attend(
+                q_lat.reshape(R * S, H, Lr), q_pe.reshape(R * S, H, Rr), None, pool, layer, page_table,
+                jnp.repeat(rows, S), jnp.repeat(ctx_lens - 1, S), ctx_lens, jnp.arange(R + 1, dtype=jnp.int32) * S,
+                jnp.full((R,), S, jnp.int32), cfg.softmax_scale, Lr, backend=backend, return_lse=True)
+        else:  # group-local rows, each group's query offsets from 0
+            Rg = R // par.dp
+            cu = jnp.tile(jnp.arange(Rg + 1, dtype=jnp.int32) * S, par.dp)
+            out_c, lse_c = par.mla_attend_lse(
+                q_lat.reshape(R * S, H, Lr), q_pe.reshape(R * S, H, Rr), pool, layer, page_table,
+                jnp.repeat(rows % Rg, S), jnp.repeat(ctx_lens - 1, S), ctx_lens, cu, jnp.full((R,), S, jnp.int32),
+                cfg.softmax_scale, Lr, backend=backend)
         out_c, lse_c = out_c.reshape(R, S, H, Lr), lse_c.reshape(R, S, H)
         # the block's own rows (non-causal)
         blk = self.latent_rows(x, positions).astype(F32)
@@ -213,9 +226,9 @@ class DSparkLayer(nnx.Module):
         h = h + self.self_attn(self.input_layernorm(h), positions, ctx_rows, ctx_valid)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def paged(self, h, positions, *pool_args, backend: str = "reference"):
+    def paged(self, h, positions, *pool_args, backend: str = "reference", par=None):
         """:meth:`__call__` with the context in a paged pool (``DSparkAttention.attend_paged``)."""
-        h = h + self.self_attn.attend_paged(self.input_layernorm(h), positions, *pool_args, backend=backend)
+        h = h + self.self_attn.attend_paged(self.input_layernorm(h), positions, *pool_args, backend=backend, par=par)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -264,11 +277,13 @@ class DSparkDraft(nnx.Module):
         c = self.context_hidden(taps)
         return jnp.stack([layer.self_attn.latent_rows(c, positions) for layer in self.layers], axis=1)
 
-    def write_context(self, taps, positions, tok_row, page_table, pool, layer0: int):
+    def write_context(self, taps, positions, tok_row, page_table, pool, layer0: int, par=None):
         """Write the context KV of a flattened step's tokens into the paged pool: ``taps [T,
         n_taps * Dt]`` at ``positions [T]``, token ``t`` of row ``tok_row[t]`` (outside ``[0, R)``:
         padding, dropped) through ``page_table [R, P]``; draft layer ``l`` goes to pool layer
-        ``layer0 + l``, its rows zero-padded to the pool's width. Returns the pool."""
+        ``layer0 + l``, its rows zero-padded to the pool's width. Returns the pool. ``par``:
+        under a recipe each rank writes the rows whose page lives in its block
+        (``StepParallel.mla_write_flat``; ``tok_row`` group-local as in the step)."""
         from ..kernels.mla_ragged import write_kv_rows
 
         T, W = taps.shape[0], pool.shape[-1]
@@ -278,18 +293,22 @@ class DSparkDraft(nnx.Module):
             raise ValueError(f"the draft's context rows are {rows.shape[-1]} wide, the pool's {W}")
         for l in range(self.cfg.num_hidden_layers):
             r = jnp.pad(rows[l], ((0, 0), (0, pad))) if pad else rows[l]
-            pool = write_kv_rows(pool, r, page_table, tok_row, positions, layer=layer0 + l)
+            if par is None:
+                pool = write_kv_rows(pool, r, page_table, tok_row, positions, layer=layer0 + l)
+            else:
+                at = types.SimpleNamespace(page_table=page_table, tok_row=tok_row, pos=positions)
+                pool = par.mla_write_flat(r, pool, layer0 + l, at)
         return pool
 
     def propose_paged(self, anchor_tokens, anchor_positions, ctx_lens, page_table, pool, layer0: int,
-                      embed_tokens, lm_head, backend: str = "reference"):
+                      embed_tokens, lm_head, backend: str = "reference", par=None):
         """:meth:`propose` with the context KV in a paged pool (:meth:`write_context`): base
         logits ``[R, block_size, V]`` float32; row ``r`` reads its first ``ctx_lens[r]``
         positions (0: a row that proposes nothing; its logits are computed and meaningless)."""
         positions = self.block_positions(anchor_positions)
         h = jnp.take(embed_tokens, self.block_tokens(anchor_tokens), axis=0).astype(self.dtype)
         for l, layer in enumerate(self.layers):
-            h = layer.paged(h, positions, pool, layer0 + l, page_table, ctx_lens, backend=backend)
+            h = layer.paged(h, positions, pool, layer0 + l, page_table, ctx_lens, backend=backend, par=par)
         h = self.final_norm(h)
         return jnp.einsum("bsd,vd->bsv", h.astype(F32), lm_head.astype(F32))
 

@@ -286,8 +286,8 @@ class KimiLM(nnx.Module):
         mix), as SGLang captures it; ``"prefix"``: the residual stream after layer ``i`` (the
         block's prefix sum under AttnRes). Without AttnRes both are the residual stream."""
         cfg, plan = self.cfg, self.plan
-        if taps is not None and (capture or par is not None):
-            raise ValueError("target taps are not supported with capture or under a recipe")
+        if taps is not None and capture:
+            raise ValueError("target taps are not supported with capture")
         tap_ids, tap_stream = taps if taps is not None else ((), "prefix")
         tap_index = {l: j for j, l in enumerate(tap_ids)}
         n_taps = len(tap_ids)
@@ -545,7 +545,7 @@ class KimiLM(nnx.Module):
             if tap_stream == "attn_res" and (L - 1) in tap_index:  # the last layer's consumer: the output mix
                 last = attn_res_bank(bank, carry["count"], p, self.output_attn_res, ctx.eps) if cfg.uses_attn_res else p
                 tap_all = tap_all.at[tap_index[L - 1]].set(last.astype(F32))
-            tapped = jnp.moveaxis(tap_all, 0, 1).reshape(p.shape[0], -1)
+            tapped = ctx.gather(jnp.moveaxis(tap_all, 0, 1).reshape(p.shape[0], -1))  # whole rows (split over DP)
         if not all_logits and not capture:  # only the tokens that are sampled
             at = jnp.maximum(fb.logits_idx.reshape(-1), 0)
             p = p[at]

@@ -194,6 +194,47 @@ class StepParallel:
         return fn(q_lat, q_rope, kv_pool, fb.page_table, fb.tok_row, fb.pos, fb.kv_lens, fb.cu_q_lens, fb.q_lens,
                   jnp.asarray(layer, jnp.int32))
 
+    def mla_attend_lse(self, q_lat, q_rope, kv_pool, layer, table, tok_row, pos, kv_lens, cu, q_lens,
+                       scale: float, latent_dim: int, backend: str = "reference"):
+        """Attention only (nothing written) over layer ``layer`` of the pool for query rows laid
+        out as a step's (``tok_row`` group-local under attention DP, ``cu`` per group):
+        ``(out_lat [T, H, latent], lse [T, H])``, the DCP ranks' partials merged exactly (a
+        query that sees no key: out 0, lse ``-inf``). The DSpark draft's context attention
+        (``model.dspark.DSparkAttention.attend_paged``), which merges the result with its
+        block's own keys by the LSE."""
+        from ..kernels import ops
+        from ..model.step import local_rows
+
+        dcp, dcp_ax = self.dcp, self.dcp_axes
+        q_spec, r_spec, pool_spec = self._mla_specs()
+        l_spec = P(*q_spec[:2])
+
+        def local(q_lat, q_rope, pool, table, tok_row, pos, kv_lens, cu, q_lens, layer):
+            tok_row = local_rows(tok_row, q_lens.shape[0])
+            ppr = pool.shape[1]
+            local_table = self._local_table(table, ppr)
+            call = functools.partial(ops.mla_write_attend, scale=scale, latent_dim=latent_dim, backend=backend,
+                                     return_lse=True)
+            if dcp == 1:
+                out, lse, _ = call(q_lat, q_rope, None, pool, layer, local_table, tok_row, pos, kv_lens, cu, q_lens)
+                return out, lse
+            cols, ords = self._dcp_columns(table, local_table, ppr)
+            out, lse, _ = call(q_lat, q_rope, None, pool, layer, cols, tok_row, pos, kv_lens, cu, q_lens,
+                               page_ordinals=ords)
+            M = jax.lax.pmax(lse, dcp_ax)
+            M = jnp.where(jnp.isfinite(M), M, 0.0)
+            w = jnp.exp(lse - M)
+            nd = jax.lax.psum(jnp.concatenate([out * w[..., None], w[..., None]], axis=-1), dcp_ax)
+            num, den = nd[..., :-1], nd[..., -1]
+            pos_den = den > 0
+            out = num / jnp.where(pos_den, den, 1.0)[..., None]
+            return out, jnp.where(pos_den, M + jnp.log(jnp.where(pos_den, den, 1.0)), -jnp.inf)
+
+        fn = jax.shard_map(local, mesh=self.mesh,
+                           in_specs=(q_spec, q_spec, pool_spec, r_spec, r_spec, r_spec, r_spec, r_spec, r_spec, P()),
+                           out_specs=(q_spec, l_spec), check_vma=False)
+        return fn(q_lat, q_rope, kv_pool, table, tok_row, pos, kv_lens, cu, q_lens, jnp.asarray(layer, jnp.int32))
+
     # ------------------------------------------------------------------ KDA core by DP group
     def kda_core(self, core, raw, conv_w, g, beta, conv_rows, state_rows, tok_row, cu, q_lens, start_pos, snap_row,
                  snap_len, decode=None):

@@ -1,7 +1,10 @@
 """Child-process body for ``test_spec_engine.py`` (4 virtual CPU devices): greedy decoding with
 speculation under a recipe against the same recipe without it, an oracle drafter injecting
 wrong tokens (that a recipe equals one device is ``test_sharding.py``'s business). Prints one
-JSON line: per recipe, tokens equal, drafts verified and accepted."""
+JSON line: per recipe, tokens equal, drafts verified and accepted. With ``"dspark": true`` also
+DSpark under each recipe (its context rows in the recipe's pages, proposed per rank): its tokens
+and every block it proposed, and with ``"one_device": true`` the blocks of DSpark on one device
+(the parent compares them)."""
 from __future__ import annotations
 
 import json
@@ -16,6 +19,7 @@ from test_spec_engine import K, OracleDrafter, _prompts
 
 
 def run(model, recipe, prompts, params, **kw):
+    """``(tokens, stats)`` of ``prompts`` run to the end on ``recipe`` (None: one device)."""
     from k3serve.sharding.recipe import Recipe
 
     n = Recipe.parse(recipe).devices if recipe else 1
@@ -40,13 +44,28 @@ def main():
     V = model.config.vocab_size
     prompts = _prompts(V, seed=5)
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    res = {}
+    res, plains = {}, {}
     for recipe in spec["recipes"]:
-        plain, _ = run(model, recipe, prompts, params)
+        plain = plains[recipe] = run(model, recipe, prompts, params)[0]
         drafter = OracleDrafter({tuple(p): o + [0] * K for p, o in zip(prompts, plain)}, V)
         got, st = run(model, recipe, prompts, params, speculative={"num_speculative_tokens": K}, drafter=drafter)
         res[recipe] = {"equal": got == plain, "drafts": st["spec_draft_tokens"], "accepted": st["spec_accepted_tokens"],
                        "groups": st["groups"]}
+    if spec.get("dspark"):
+        import tempfile
+
+        from k3serve.checkpoints.dspark_checkpoint import generate_dspark_checkpoint
+        from test_dspark_engine import K as DK, RecordingDrafter, _draft_config
+
+        ddir = generate_dspark_checkpoint(tempfile.mkdtemp(prefix="dspark-"), _draft_config(), seed=1)
+        dspec = {"method": "dspark", "num_speculative_tokens": DK, "draft_model": str(ddir)}
+        for recipe in spec["recipes"] + ([None] if spec.get("one_device") else []):
+            rec = RecordingDrafter(DK)
+            plain = plains[recipe] if recipe in plains else run(model, recipe, prompts, params)[0]
+            got, st = run(model, recipe, prompts, params, speculative=dspec, drafter=rec)
+            res[f"dspark {recipe or 'one device'}"] = {
+                "equal": got == plain, "accepted": st["spec_accepted_tokens"], "drafts": st["spec_draft_tokens"],
+                "blocks": rec.blocks}
     print(json.dumps(res))
 
 

@@ -81,15 +81,28 @@ def test_under_recipes():
     """On 4 virtual devices, one child process per recipe, side by side: EP2 x TP2 with DCP2
     (experts exchanged, KDA heads and the journal split over TP, MLA pages dealt over DCP
     ranks) and attention DP2 x DCP2 (each group's requests journal in the group's block of
-    entries): speculation equals plain decoding under the same recipe."""
+    entries): speculation equals plain decoding under the same recipe. DSpark too: its context
+    rows in the recipe's pages, each block proposed per rank equal to one device's."""
     import os
 
     from _util import run_children
 
     here = os.path.dirname(os.path.abspath(__file__))
     recipes = ["ep=2,tp=2,dcp=2", "ep=4,tp=1,dp=2,dcp=2"]
-    res = run_children(os.path.join(here, "_spec_recipe_check.py"), [],
-                       [{"case": "k3-tiny-a", "recipes": [r]} for r in recipes], 4, timeout=1200)
+    children = [{"case": "k3-tiny-a", "recipes": [r], "dspark": True, "one_device": i == 0} for i, r in enumerate(recipes)]
+    res = run_children(os.path.join(here, "_spec_recipe_check.py"), [], children, 4, timeout=1500)
     for r in recipes:
         assert res[r]["equal"] and res[r]["accepted"] > 0, (r, res[r])
     assert res["ep=4,tp=1,dp=2,dcp=2"]["groups"] == [0, 1], res  # both DP groups speculated at once
+    # DSpark under each recipe: plain decoding's tokens, and every block it proposed (context rows
+    # written and attended per DCP rank, the taps gathered from the recipe's step) is the block
+    # one device proposed after the same sequence
+    ref = res["dspark one device"]
+    one = {tuple(seq): block for seq, block in ref["blocks"]}
+    assert len(one) >= 16 and ref["equal"]
+    for r in recipes:
+        ds = res[f"dspark {r}"]
+        assert ds["equal"] and ds["drafts"] == ref["drafts"] > 0, (r, ds["drafts"])
+        assert ds["accepted"] == ref["accepted"], r
+        got = {tuple(seq): block for seq, block in ds["blocks"]}
+        assert got == one, r

@@ -90,11 +90,9 @@ class Engine:
             if speculative.get("method") == "dspark":  # its context rows live in the target's pages
                 from ..spec.dspark_drafting import load_draft, with_draft_pool
 
-                why = ("a recipe" if recipe is not None else
-                       "an abstract (compile-only) engine" if abstract else None)
-                if why:
-                    raise ValueError(f"speculative method 'dspark' is not supported with {why} yet "
-                                     "(docs/speculative.md); use 'ngram' or 'suffix'")
+                if abstract:
+                    raise ValueError("speculative method 'dspark' is not supported with an abstract (compile-only) "
+                                     "engine yet (docs/speculative.md); use 'ngram' or 'suffix'")
                 if not speculative.get("draft_model"):
                     raise ValueError("speculative method 'dspark' needs draft_model (a DSpark checkpoint directory)")
                 draft = load_draft(speculative["draft_model"], cfg, model.dtype, spec_k)

@@ -208,6 +208,13 @@ class Runner:
             if not k:
                 raise ValueError("a draft model needs num_speculative_tokens >= 1")
             self._draft_graph, self._draft_params = nnx.split(draft)
+            if par is not None and not abstract:  # the draft's weights whole on every device (of every process)
+                from jax.sharding import NamedSharding, PartitionSpec
+
+                whole = NamedSharding(par.mesh, PartitionSpec())
+                self._draft_params = jax.tree.map(
+                    lambda a: jax.make_array_from_callback(a.shape, whole, lambda i, a=np.asarray(a): a[i]),
+                    self._draft_params)
             self._taps = (tuple(draft.cfg.target_layer_ids), draft.cfg.aux_hidden_stream)
             self._draft_layer0 = len(model.config.mla_layers)
             self._draft_fns: dict = {}  # token bucket -> jitted draft program
@@ -372,9 +379,14 @@ class Runner:
             fl = jax.lax.bitcast_convert_type(rows[:, len(_COLS):], jnp.float32)
             block, cache = draft_block(nnx.merge(self._draft_graph, dparams), nnx.merge(graphdef, params), cache,
                                        tok, _columns(rows), m["table"], fl, acc, last, taps, self._draft_layer0,
-                                       model.config.kernels)
+                                       model.config.kernels, par=par)
             Rn = block.shape[0]
             block = jnp.zeros((R, block.shape[1]), jnp.int32).at[:Rn].set(block.astype(jnp.int32))
+            if par is not None:  # out as it came in: the cache in its layout, the block replicated (a ``prev_block``)
+                from jax.sharding import NamedSharding, PartitionSpec
+
+                cache = par.pin_cache(cache)
+                block = jax.lax.with_sharding_constraint(block, NamedSharding(par.mesh, PartitionSpec()))
             return block, cache
 
         self._draft_body = draft_fn

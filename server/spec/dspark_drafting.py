@@ -30,8 +30,9 @@ P/D: the context rows are pool layers, so a handoff ships them with the pages; b
 must run the same draft (the cache layout's fingerprint counts the draft's layers, and a
 plain side and a DSpark side refuse each other at bootstrap).
 
-Not supported yet, refused when the engine is built: a recipe (the taps and the draft under
-SPMD), ``k3serve compile``.
+Under a recipe the taps come back with whole rows, the draft's weights are whole on every
+device, and its context rows are written and read per rank like the target's MLA rows
+(``par`` below). Not supported yet, refused when the engine is built: ``k3serve compile``.
 """
 from __future__ import annotations
 
@@ -99,15 +100,18 @@ def with_draft_pool(model, draft):
     return model
 
 
-def draft_block(draft, target, cache, tok, rows_col, table, fl, acc, last, taps, layer0: int, backend: str):
+def draft_block(draft, target, cache, tok, rows_col, table, fl, acc, last, taps, layer0: int, backend: str,
+                par=None):
     """The draft program's body (traced; ``server.engine.runner``): write the step's context
     rows, then propose and sample each row's next block. ``tok [3, T]`` (ids, positions, rows),
     ``rows_col`` the step's row columns by name, ``table [R, P]``, ``fl [R, 6]`` the float
     settings (temperature first), ``acc [R]`` drafts accepted, ``last [R]`` each row's last
-    emitted token, ``taps [T, n * D]``. Returns ``(tokens [R, block_size] int32, cache)``."""
+    emitted token, ``taps [T, n * D]``. Returns ``(tokens [R, block_size] int32, cache)``.
+    ``par``: under a recipe, the context rows are written and read per rank like the target's
+    MLA rows (``StepParallel.mla_write_flat`` / ``mla_attend_lse``)."""
     from ...model.dspark import SampleKeys
 
-    pool = draft.write_context(taps, tok[1], tok[2], table, cache.mla_kv, layer0)
+    pool = draft.write_context(taps, tok[1], tok[2], table, cache.mla_kv, layer0, par=par)
     col = rows_col
     R = table.shape[0]
     decode = col["decode"] != 0
@@ -115,7 +119,7 @@ def draft_block(draft, target, cache, tok, rows_col, table, fl, acc, last, taps,
     ctx_lens = jnp.where(col["q_len"] > 0, anchor_pos, 0)  # every row proposes; the host keeps those that sampled
     anchor = last[:R]
     base = draft.propose_paged(anchor, anchor_pos, ctx_lens, table, pool, layer0, target.embed_tokens[...],
-                               target.lm_head.weight[...], backend=backend)
+                               target.lm_head.weight[...], backend=backend, par=par)
     keys = SampleKeys(seed=jax.lax.bitcast_convert_type(col["seed"], jnp.uint32), step=col["step"] + acc + 1,
                       temperature=fl[:, 0])
     toks, _ = draft.sample_block(base, anchor, keys)
