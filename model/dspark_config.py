@@ -293,3 +293,26 @@ def _rope(cfg: dict) -> tuple[float, YarnScaling | None]:
         mscale=float(params.get("mscale", 1.0)),
         mscale_all_dim=float(params.get("mscale_all_dim", 0.0)),
     )
+
+
+def k3_dspark_config() -> DSparkConfig:
+    """The released K3 draft (``Inferact/Kimi-K3-DSpark``) as far as its public description
+    goes (``../shared/design/k3-architecture.md`` §6): 5 dense layers of hidden 7168 on the
+    target's taps 2, 23, 47, 71, 89, a 7-token block, the target's 163,840-token vocabulary, a
+    rank-256 Markov head. What is not public is assumed (for compiling and planning, never for
+    loading weights, which bring their own config.json): the target's MLA widths (Q-LoRA 1536,
+    latent 512 + RoPE 64, 128-wide nope and value heads), 64 heads and an MLP of 14,336, which
+    together with the checkpoint's copy of the embeddings give the published ~3.56B
+    parameters, and DeepSeek-V3's YaRN RoPE (theta 10,000, factor 40 over 4,096)."""
+    return DSparkConfig.from_dict({
+        "model_type": MODEL_TYPE, "target_hidden_size": 7168, "num_target_layers": 5,
+        "target_layer_ids": [2, 23, 47, 71, 89], "target_num_hidden_layers": 93, "hidden_size": 7168,
+        "num_hidden_layers": 5, "num_attention_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "intermediate_size": 14336,
+        "hidden_act": "silu", "rms_norm_eps": 1e-5,
+        "rope_scaling": {"rope_type": "deepseek_yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+        "max_position_embeddings": 1048576, "vocab_size": 163840, "draft_vocab_size": 163840, "markov_rank": 256,
+        "block_size": 7, "mask_token_id": 163839, "enable_confidence_head": False, "aux_hidden_stream": "attn_res",
+    })

@@ -142,7 +142,9 @@ def run(args, log=print) -> dict:
     ctx = lambda: tpu_aot.abstract_mesh(mesh)  # noqa: E731 - Pallas asks the default device's TPU otherwise
     from .engine.aot_build import decode_bucket, decode_costs, serving_programs
 
-    weights = tpu_aot.shard_bytes(engine.model.params)
+    # a DSpark draft's weights (whole on every device) count with the target's
+    draft = tpu_aot.shard_bytes(engine.runner._draft_params) if engine.runner.draft is not None else 0
+    weights = tpu_aot.shard_bytes(engine.model.params) + draft
     # speculative decoding's KDA journal lives beside the cache (counted with it)
     journal = tpu_aot.shard_bytes(engine.runner.journal) if engine.runner.journal is not None else 0
     caches = tpu_aot.shard_bytes((engine.cache_mgr.device_cache, engine.runner.table)) + journal
@@ -164,7 +166,7 @@ def run(args, log=print) -> dict:
             temps[built.name] = temp
     worst = max(temps, key=temps.get) if temps else None
     rep["compiler_parts"] = {"weights": weights, "caches": caches, "temp": temps.get(worst), "temp_program": worst,
-                             "journal": journal}
+                             "journal": journal, "draft_weights": draft}
     rep["per_device_bytes"]["compiler"] = weights + caches + (temps.get(worst) or 0)
     plan_cap = engine.capacity_plan
     T = decode_bucket(engine)

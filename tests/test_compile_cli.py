@@ -216,3 +216,35 @@ def test_speculative_steps_compile_with_the_journal(small_config, tmp_path):
     cfg = K3Config.from_json_file(small_config)
     full = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in journal_shapes(cfg, 4, 3, "float32"))
     assert rep["compiler_parts"]["journal"] == full // 8
+
+
+def test_dspark_compiles_its_draft_programs(small_config, tmp_path):
+    """DSpark (k = 3) under EP4 x TP2 x DCP8 with the Pallas kernels, the draft built from its
+    config.json alone (no weights): each bucket's speculative step (the target's taps out) and
+    its draft program (context rows written on the rank owning the page, the block attending
+    per DCP rank through the MLA kernel, the partials merged) compile for tpu7x; a DSpark engine
+    has no plain step program; the draft's weights count whole on every device."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from k3serve.checkpoints.dspark_checkpoint import dspark_config_for
+    from k3serve.model.config import K3Config
+    from k3serve.model.dspark import DSparkDraft
+    from k3serve.model.dspark_config import DSparkConfig
+
+    d = tmp_path / "draft"
+    d.mkdir()
+    dcfg = dspark_config_for(K3Config.from_json_file(small_config), block_size=4)
+    (d / "config.json").write_text(json.dumps(dcfg))
+    engine = ("--max-num-seqs", "4", "--max-num-batched-tokens", "4", *_SMALL_ENGINE[4:])
+    rc, rep = _compile(small_config, tmp_path, "--recipe", "ep=4,tp=2,dcp=8", *engine, "--only", "^(step|draft)",
+                       "--speculative", "dspark", "--num-speculative-tokens", "3", "--draft-model", str(d),
+                       kernels="pallas")
+    assert rc == 0, [p["error"] for p in rep["programs"] if not p["ok"]]
+    names = [p["name"] for p in rep["programs"]]
+    assert names == ["step[T=1,spec]", "draft[T=1]", "step[T=4,spec]", "draft[T=4]"], names
+    draft = nnx.eval_shape(lambda: DSparkDraft(DSparkConfig.from_dict(dcfg), jnp.float32))
+    assert rep["compiler_parts"]["draft_weights"] == sum(
+        int(np.prod(a.shape)) * 4 for a in jax.tree.leaves(nnx.state(draft)))

@@ -6,7 +6,7 @@ kept per process, is reloaded); GetServerInfo reports the deployment;
 SIGTERM to the leader stops both with exit 0; SIGKILL of the follower during a decode gives
 the client UNAVAILABLE and the leader exits non-zero within 30 s, leaving no process. A
 follower that compiles 35 s after the leader still joins (gloo's 30 s setup deadline). With
-speculative decoding (suffix drafts) the tokens equal one device's too.
+speculative decoding (suffix drafts; DSpark under attention DP) the tokens equal one device's too.
 
 Each cluster loads and compiles its programs in two processes on this machine's cores
 (about a minute), so the module starts two clusters in all.
@@ -48,6 +48,17 @@ def ckpt(tmp_path_factory):
                     intermediate_size=128, attn_res_block_size=2)
     generate_checkpoint(out, cfg, seed=3)
     return out
+
+
+@pytest.fixture(scope="module")
+def draft(ckpt, tmp_path_factory):
+    """A synthetic 2-layer DSpark draft for ``ckpt`` (its acceptance is no claim: random weights)."""
+    from k3serve.checkpoints.config_of import checkpoint_config
+    from k3serve.checkpoints.dspark_checkpoint import dspark_config_for, generate_dspark_checkpoint
+    from k3serve.model import K3Config
+
+    cfg = dspark_config_for(K3Config.from_dict(checkpoint_config(ckpt)), block_size=4, num_layers=2)
+    return generate_dspark_checkpoint(tmp_path_factory.mktemp("mh-draft"), cfg, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -198,13 +209,21 @@ def test_speculative_suffix_across_two_processes(ckpt, reference, tmp_path):
         c.close()
 
 
-def test_dp2_dcp4_late_follower_tokens_then_follower_killed(ckpt, reference, tmp_path):
+def test_dp2_dcp4_dspark_late_follower_tokens_then_follower_killed(ckpt, draft, reference, tmp_path):
     # the follower compiles 35 s after the leader (a slower host): gloo gives the first
-    # collective's setup 30 s, so the processes must meet after compiling
-    c = Cluster(ckpt, "ep=4,tp=2,dp=2,dcp=4", tmp_path, follower_late_s=35)
+    # collective's setup 30 s, so the processes must meet after compiling. The cluster drafts
+    # with DSpark (k = 3): every step writes the draft's context rows in both processes' pages
+    # and proposes per rank; the tokens still equal one device's, the prefix cache still hits
+    c = Cluster(ckpt, "ep=4,tp=2,dp=2,dcp=4", tmp_path, "--speculative", "dspark", "--num-speculative-tokens", "3",
+                "--draft-model", str(draft), follower_late_s=35)
     try:
         c.wait_serving()
         _check_tokens_and_prefix(c, reference)
+        x = [(i * 11 + 2) % 500 for i in range(13)]
+        done = [r.complete for r in c.generate(x, 12, "drafted") if r.HasField("complete")][0]
+        assert list(done.output_ids) == reference(x, 12) and done.spec_draft_tokens > 0
+        info = c.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).server_args
+        assert info["speculative_algorithm"] == "dspark" and info["speculative_num_draft_tokens"] == 3
         # a long decode; the follower is killed once tokens flow
         errors, chunks = [], []
         started = threading.Event()

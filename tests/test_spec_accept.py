@@ -200,3 +200,29 @@ def test_positions_without_the_table_keep_the_engines():
     assert inp.table is base.table
     np.testing.assert_array_equal(np.asarray(inp.step), [3, 4, 5, 5, 6, 7])
     np.testing.assert_array_equal(np.asarray(inp.table_rows), [0, 0, 0, 1, 1, 1])
+
+
+def test_dspark_drafts_are_coupled_with_the_target_sample():
+    """A sampled DSpark draft uses the Gumbel noise plain decoding uses for the same token
+    (``DSparkDraft.sample_block``), so "keep the draft while the target's sample equals it"
+    accepts far more than independent drafts would: every draft when ``q = p``, and, for a
+    ``q`` off ``p``, at least the Gumbel-max coupling's ``(1 - TV) / (1 + TV)``, close to the
+    ``1 - TV`` of rejection sampling against ``q`` (``tools/dspark_coupling.py``; the figures are
+    in docs/speculative.md)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "tools" / "dspark_coupling.py"
+    spec = importlib.util.spec_from_file_location("dspark_coupling", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    rng = np.random.default_rng(1)
+    n, vocab = 1500, 32
+    p = rng.standard_normal((n, vocab)).astype(np.float32) * 2
+    seeds, steps = np.arange(n) + 3, rng.integers(0, 500, n)
+    same = tool.coupling_rates(p, p, seeds, steps)
+    assert same["coupled"] == 1.0 and same["independent"] < 0.3
+    r = tool.coupling_rates(p, p + rng.standard_normal(p.shape).astype(np.float32) * 0.5, seeds, steps)
+    se = 0.5 / np.sqrt(n)  # a binomial mean's standard error, at most
+    assert r["bound"] - 3 * se <= r["coupled"] <= r["q_rule"] + 3 * se, r
+    assert r["coupled"] > 3 * r["independent"], r

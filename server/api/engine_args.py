@@ -43,7 +43,8 @@ def add_spec_flags(p) -> None:
                         "(dspark, with --draft-model); greedy and seeded outputs are exactly those without "
                         "speculation")
     g.add_argument("--draft-model", default=None, metavar="DIR",
-                   help="the DSpark draft checkpoint (config.json + safetensors) for --speculative dspark")
+                   help="the DSpark draft checkpoint (config.json + safetensors) for --speculative dspark; "
+                        "k3serve compile reads only its config.json, or takes 'k3' for the released draft's shapes")
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="most drafts a decode row carries (k)")
     g.add_argument("--speculative-max-rows", type=int, default=None,
                    help="no drafts in a step while more requests than this run (default: always draft)")

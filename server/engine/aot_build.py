@@ -84,6 +84,8 @@ def serving_programs(engine, context=contextlib.nullcontext, want=lambda name: T
     too: a prefill server's export reads and cuts, a decode server's import loads); yields a
     :class:`Built` per program, in warm-up's order.
     ``want(name)``: False skips a program (a sampler whose step is skipped still lowers it)."""
+    import jax
+
     run, mgr = engine.runner, engine.cache_mgr
     params, cache = engine.model.params, mgr.device_cache
     samplers = set()
@@ -96,7 +98,8 @@ def serving_programs(engine, context=contextlib.nullcontext, want=lambda name: T
     # a speculating engine has two programs per bucket (``Runner.launch``): the plain one
     # (``step[T=N]``, sampled by ``sample[R=N]``) and the speculative one (``step[T=N,spec]``,
     # sampled by ``sample[R=N,spec]`` and, when a row reads the token table, ``sample[R=N,spec,table]``)
-    kinds = (False, True) if run.journal is not None else (False,)
+    # (a DSpark engine runs only the speculative one, then its draft program ``draft[T=N]``)
+    kinds = ((True,) if run.draft is not None else (False, True)) if run.journal is not None else (False,)
     for T in run.shape_buckets():
         R = run.layout(T).R
         for sp in kinds:
@@ -104,10 +107,22 @@ def serving_programs(engine, context=contextlib.nullcontext, want=lambda name: T
             snames = [f"sample[R={R}{tag}{',table' if u else ''}]" for u in ((False, True) if sp else (False,))]
             sample = (R, sp) not in samplers and any(want(n) for n in snames)
             name = f"step[T={T}{tag}]"
+            dname = f"draft[T={T}]"
+            drafting = sp and run.draft is not None and want(dname)
             built, src = _attempt(name, lambda T=T, sp=sp: run._jit(T, sp).lower(params, cache, *run._padding_args(T, sp)),
-                                  context, compile=want(name)) if want(name) or sample else (None, None)
+                                  context, compile=want(name)) if want(name) or sample or drafting else (None, None)
             if want(name):
                 yield built
+            if drafting:
+                if src is None:
+                    yield Built(dname, None, 0.0, "not lowered: its step program did not lower")
+                else:  # on the step's outputs: the tokens and rows as it ran them, the target's taps
+                    _, _, rows, _, _, tok, taps = src.out_info[:7]
+                    meta, last = run._padding_args(T, sp)[:2]  # the last tokens: [most rows]
+                    acc = jax.ShapeDtypeStruct((R,), last.dtype, sharding=last.sharding)  # accepted: [the step's rows]
+                    yield _attempt(dname, lambda T=T, rows=rows, tok=tok, taps=taps, meta=meta, acc=acc, last=last:
+                                   run._draft_jit(T).lower(run._draft_params, params, cache, meta, tok, rows, taps, acc,
+                                                           last), context)[0]
             if (R, sp) in samplers or not sample:
                 continue
             samplers.add((R, sp))

@@ -88,14 +88,13 @@ class Engine:
             spec_k = int(speculative.get("num_speculative_tokens", 0))
             spec_rows = speculative.get("max_rows")
             if speculative.get("method") == "dspark":  # its context rows live in the target's pages
-                from ..spec.dspark_drafting import load_draft, with_draft_pool
+                from ..spec.dspark_drafting import abstract_draft, load_draft, with_draft_pool
 
-                if abstract:
-                    raise ValueError("speculative method 'dspark' is not supported with an abstract (compile-only) "
-                                     "engine yet (docs/speculative.md); use 'ngram' or 'suffix'")
                 if not speculative.get("draft_model"):
                     raise ValueError("speculative method 'dspark' needs draft_model (a DSpark checkpoint directory)")
-                draft = load_draft(speculative["draft_model"], cfg, model.dtype, spec_k)
+                # an abstract engine (``k3serve compile``) reads the draft's config only
+                draft = (abstract_draft if abstract else load_draft)(speculative["draft_model"], cfg, model.dtype,
+                                                                      spec_k)
                 model = with_draft_pool(model, draft)
                 cfg = model.config
             if drafter is None:

@@ -208,7 +208,14 @@ class Runner:
             if not k:
                 raise ValueError("a draft model needs num_speculative_tokens >= 1")
             self._draft_graph, self._draft_params = nnx.split(draft)
-            if par is not None and not abstract:  # the draft's weights whole on every device (of every process)
+            if abstract:  # placed like the cache's replicated arrays: whole on every device
+                from jax.sharding import NamedSharding, PartitionSpec
+
+                where = (NamedSharding(par.mesh, PartitionSpec()) if par is not None
+                         else jax.tree.leaves(cache_mgr.device_cache)[0].sharding)
+                self._draft_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
+                                                  self._draft_params)
+            elif par is not None:  # the draft's weights whole on every device (of every process)
                 from jax.sharding import NamedSharding, PartitionSpec
 
                 whole = NamedSharding(par.mesh, PartitionSpec())
@@ -329,7 +336,21 @@ class Runner:
             (``spec_positions.verify_sampler_inputs``); the drafts kept while they equal the
             samples (``spec.accept.accepted_lengths``); the emitted tokens counted into the
             token table. Returns (outputs ``[R, n, ...]``, accepted ``[R]``), the last emitted
-            token of each row (``[R]``, the next step's ``prev``), the table."""
+            token of each row (``[R]``, the next step's ``prev``), the table.
+
+            On a mesh it runs whole on every device like :func:`sample_fn`: every output is
+            replicated, as the next step's AOT program expects its ``prev`` / ``prev_acc``
+            (left to the partitioner they came out split over ``"dp"`` under attention DP, and
+            a warmed-up engine's next step refused them) and as each process reads them."""
+            body = functools.partial(spec_body, use_table=use_table)
+            if par is None:
+                return body(logits, rows, spec, table)
+            from jax.sharding import PartitionSpec as P
+
+            return jax.shard_map(body, mesh=par.mesh, in_specs=(P(), P(), P(), P()), out_specs=P(),
+                                 check_vma=False)(logits, rows, spec, table)
+
+        def spec_body(logits, rows, spec, table, *, use_table: bool):
             from ..spec.accept import accepted_lengths
             from .spec_positions import verify_sampler_inputs
 

@@ -19,8 +19,10 @@ laws. It is more than equal in distribution: because ``y_j`` uses plain decoding
 token, a seeded request emits exactly the tokens it would emit without speculation, and every
 process of a multi-host engine reaches the same decision without exchanging anything
 (``tests/test_spec_accept.py`` checks both). Greedy rows are the ``temperature = 0`` case:
-``y_j`` is the argmax. A drafter with a real distribution (DSpark) needs the general rule;
-that is not this module.
+``y_j`` is the argmax. The rule stays exact for a drafter with a real distribution (the
+emitted tokens are always the target's samples): DSpark samples its drafts with the same
+Gumbel noise, so they agree with ``y_j`` about as often as rejection sampling against the
+draft's ``q`` would accept (docs/speculative.md, ``tools/dspark_coupling.py``).
 """
 from __future__ import annotations
 

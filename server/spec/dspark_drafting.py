@@ -32,7 +32,8 @@ plain side and a DSpark side refuse each other at bootstrap).
 
 Under a recipe the taps come back with whole rows, the draft's weights are whole on every
 device, and its context rows are written and read per rank like the target's MLA rows
-(``par`` below). Not supported yet, refused when the engine is built: ``k3serve compile``.
+(``par`` below). ``k3serve compile`` builds the draft abstractly (:func:`abstract_draft`: its
+config only, ``"k3"`` for the released draft's shapes) and compiles a draft program per bucket.
 """
 from __future__ import annotations
 
@@ -89,6 +90,27 @@ def load_draft(path, target_cfg, dtype, k: int):
     draft = load_dspark(path, dtype=dtype, target_cfg=target_cfg)
     check_pairing(target_cfg, draft.cfg, k)
     return draft
+
+
+def abstract_draft(path, target_cfg, dtype, k: int):
+    """The draft's parameters as ``ShapeDtypeStruct``s (``k3serve compile``: no weights read):
+    its config from ``path`` (a draft directory's config.json, or ``"k3"`` for
+    ``model.dspark_config.k3_dspark_config``), checked against the target and ``k``."""
+    import os
+
+    from flax import nnx
+
+    from ...model.dspark import DSparkDraft
+    from ...model.dspark_config import DSparkConfig, k3_dspark_config
+
+    if str(path) == "k3":
+        cfg = k3_dspark_config()
+    else:
+        cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        cfg = DSparkConfig.from_json_file(cfg_path)
+    cfg.check_against(target_cfg)
+    check_pairing(target_cfg, cfg, k)
+    return nnx.eval_shape(lambda: DSparkDraft(cfg, dtype))
 
 
 def with_draft_pool(model, draft):
