@@ -171,8 +171,9 @@ class DSparkAttention(nnx.Module):
         rows densely, and the two softmax partials merge by their log-sum-exp.
 
         ``par`` (a ``sharding.parallel.StepParallel``): under a recipe the context part runs per
-        rank (``StepParallel.mla_attend_lse``: each DCP rank over its pages, merged exactly),
-        the rows laid out as the step's (``R`` = dp groups of rows, group-local row ids)."""
+        rank (``StepParallel.mla_write_attend_flat`` writing nothing: each DCP rank over its
+        pages, merged exactly), the rows laid out as the step's (``R`` = dp groups of rows,
+        group-local row ids)."""
         from ..kernels import ops
 
         cfg = self.cfg
@@ -193,11 +194,12 @@ class DSparkAttention(nnx.Module):
                 jnp.full((R,), S, jnp.int32), cfg.softmax_scale, Lr, backend=backend, return_lse=True)
         else:  # group-local rows, each group's query offsets from 0
             Rg = R // par.dp
-            cu = jnp.tile(jnp.arange(Rg + 1, dtype=jnp.int32) * S, par.dp)
-            out_c, lse_c = par.mla_attend_lse(
-                q_lat.reshape(R * S, H, Lr), q_pe.reshape(R * S, H, Rr), pool, layer, page_table,
-                jnp.repeat(rows % Rg, S), jnp.repeat(ctx_lens - 1, S), ctx_lens, cu, jnp.full((R,), S, jnp.int32),
-                cfg.softmax_scale, Lr, backend=backend)
+            at = types.SimpleNamespace(page_table=page_table, pos=jnp.repeat(ctx_lens - 1, S), kv_lens=ctx_lens,
+                                       cu_q_lens=jnp.tile(jnp.arange(Rg + 1, dtype=jnp.int32) * S, par.dp))
+            out_c, lse_c, _ = par.mla_write_attend_flat(
+                q_lat.reshape(R * S, H, Lr), q_pe.reshape(R * S, H, Rr), None, pool, layer, at,
+                jnp.repeat(rows % Rg, S), jnp.full((R,), S, jnp.int32), cfg.softmax_scale, Lr, backend,
+                return_lse=True)
         out_c, lse_c = out_c.reshape(R, S, H, Lr), lse_c.reshape(R, S, H)
         # the block's own rows (non-causal)
         blk = self.latent_rows(x, positions).astype(F32)

@@ -194,47 +194,6 @@ class StepParallel:
         return fn(q_lat, q_rope, kv_pool, fb.page_table, fb.tok_row, fb.pos, fb.kv_lens, fb.cu_q_lens, fb.q_lens,
                   jnp.asarray(layer, jnp.int32))
 
-    def mla_attend_lse(self, q_lat, q_rope, kv_pool, layer, table, tok_row, pos, kv_lens, cu, q_lens,
-                       scale: float, latent_dim: int, backend: str = "reference"):
-        """Attention only (nothing written) over layer ``layer`` of the pool for query rows laid
-        out as a step's (``tok_row`` group-local under attention DP, ``cu`` per group):
-        ``(out_lat [T, H, latent], lse [T, H])``, the DCP ranks' partials merged exactly (a
-        query that sees no key: out 0, lse ``-inf``). The DSpark draft's context attention
-        (``model.dspark.DSparkAttention.attend_paged``), which merges the result with its
-        block's own keys by the LSE."""
-        from ..kernels import ops
-        from ..model.step import local_rows
-
-        dcp, dcp_ax = self.dcp, self.dcp_axes
-        q_spec, r_spec, pool_spec = self._mla_specs()
-        l_spec = P(*q_spec[:2])
-
-        def local(q_lat, q_rope, pool, table, tok_row, pos, kv_lens, cu, q_lens, layer):
-            tok_row = local_rows(tok_row, q_lens.shape[0])
-            ppr = pool.shape[1]
-            local_table = self._local_table(table, ppr)
-            call = functools.partial(ops.mla_write_attend, scale=scale, latent_dim=latent_dim, backend=backend,
-                                     return_lse=True)
-            if dcp == 1:
-                out, lse, _ = call(q_lat, q_rope, None, pool, layer, local_table, tok_row, pos, kv_lens, cu, q_lens)
-                return out, lse
-            cols, ords = self._dcp_columns(table, local_table, ppr)
-            out, lse, _ = call(q_lat, q_rope, None, pool, layer, cols, tok_row, pos, kv_lens, cu, q_lens,
-                               page_ordinals=ords)
-            M = jax.lax.pmax(lse, dcp_ax)
-            M = jnp.where(jnp.isfinite(M), M, 0.0)
-            w = jnp.exp(lse - M)
-            nd = jax.lax.psum(jnp.concatenate([out * w[..., None], w[..., None]], axis=-1), dcp_ax)
-            num, den = nd[..., :-1], nd[..., -1]
-            pos_den = den > 0
-            out = num / jnp.where(pos_den, den, 1.0)[..., None]
-            return out, jnp.where(pos_den, M + jnp.log(jnp.where(pos_den, den, 1.0)), -jnp.inf)
-
-        fn = jax.shard_map(local, mesh=self.mesh,
-                           in_specs=(q_spec, q_spec, pool_spec, r_spec, r_spec, r_spec, r_spec, r_spec, r_spec, P()),
-                           out_specs=(q_spec, l_spec), check_vma=False)
-        return fn(q_lat, q_rope, kv_pool, table, tok_row, pos, kv_lens, cu, q_lens, jnp.asarray(layer, jnp.int32))
-
     # ------------------------------------------------------------------ KDA core by DP group
     def kda_core(self, core, raw, conv_w, g, beta, conv_rows, state_rows, tok_row, cu, q_lens, start_pos, snap_row,
                  snap_len, decode=None):
@@ -266,7 +225,7 @@ class StepParallel:
         return jnp.where(ords < table.shape[1], cols, -1), ords
 
     def mla_write_attend_flat(self, q_lat, q_rope, rows, kv_pool, layer, fb, tok_row, q_lens, scale: float,
-                              latent_dim: int, backend: str):
+                              latent_dim: int, backend: str, return_lse: bool = False):
         """The fused MLA layer of a Pallas backend (``ops.mla_write_attend``) per rank: write
         the step's ``rows`` [T, W] into this rank's block of the pool and attend, returning
         ``(out_lat [T, H, latent], pool)``. ``tok_row`` / ``q_lens``: the step's, masked by the
@@ -279,7 +238,12 @@ class StepParallel:
         context), so there are two calls: the write (the mapped table, no query rows: only the
         rank owning a row's page writes it), then the attention over the rank's columns with
         their ordinals; the partials are merged exactly with their LSE, as
-        :meth:`mla_attend_flat`."""
+        :meth:`mla_attend_flat`.
+
+        ``rows`` None writes nothing; ``return_lse`` also returns the merged log-sum-exp
+        ``[T, H]`` (``-inf`` where a query sees no key), second: the DSpark draft's context
+        attention (``model.dspark.DSparkAttention.attend_paged``) merges it with its block's
+        own keys."""
         from ..kernels import ops
         from ..model.step import local_rows
 
@@ -292,10 +256,11 @@ class StepParallel:
             local_table = self._local_table(table, ppr)
             call = functools.partial(ops.mla_write_attend, scale=scale, latent_dim=latent_dim, backend=backend)
             if dcp == 1:
-                return call(q_lat, q_rope, rows, pool, layer, local_table, tok_row, pos, kv_lens, cu, q_lens)
-            # the write alone (no query rows: nothing attends), one head's queries for the shapes
-            _, pool = call(q_lat[:, :1], q_rope[:, :1], rows, pool, layer, local_table, tok_row, pos, kv_lens, cu,
-                           jnp.zeros_like(q_lens), cost_rows=0)
+                return call(q_lat, q_rope, rows, pool, layer, local_table, tok_row, pos, kv_lens, cu, q_lens,
+                            return_lse=return_lse)
+            if rows is not None:  # the write alone (no query rows: nothing attends), one head's queries for the shapes
+                _, pool = call(q_lat[:, :1], q_rope[:, :1], rows, pool, layer, local_table, tok_row, pos, kv_lens, cu,
+                               jnp.zeros_like(q_lens), cost_rows=0)
             cols, ords = self._dcp_columns(table, local_table, ppr)
             out, lse, pool = call(q_lat, q_rope, None, pool, layer, cols, tok_row, pos, kv_lens, cu, q_lens,
                                   page_ordinals=ords, return_lse=True)
@@ -305,12 +270,16 @@ class StepParallel:
             # numerator and denominator summed in one collective (the weight rides as a column)
             nd = jax.lax.psum(jnp.concatenate([out * w[..., None], w[..., None]], axis=-1), dcp_ax)
             num, den = nd[..., :-1], nd[..., -1]
-            return num / jnp.where(den > 0, den, 1.0)[..., None], pool
+            out = num / jnp.where(den > 0, den, 1.0)[..., None]
+            if not return_lse:
+                return out, pool
+            return out, jnp.where(den > 0, M + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf), pool
 
+        out_specs = (q_spec, P(*q_spec[:2]), pool_spec) if return_lse else (q_spec, pool_spec)
         fn = jax.shard_map(local, mesh=self.mesh,
                            in_specs=(q_spec, q_spec, r_spec, pool_spec, r_spec, r_spec, r_spec, r_spec, r_spec, r_spec,
                                      P()),
-                           out_specs=(q_spec, pool_spec), check_vma=False)
+                           out_specs=out_specs, check_vma=False)
         return fn(q_lat, q_rope, rows, kv_pool, fb.page_table, tok_row, fb.pos, fb.kv_lens, fb.cu_q_lens, q_lens,
                   jnp.asarray(layer, jnp.int32))
 

@@ -169,22 +169,12 @@ def assert_all_free(engine) -> None:
 def post_json(url: str, body: dict, stream: bool = False, timeout: float = 120):
     """POST ``body`` as JSON; the parsed answer, or with ``stream`` the list of SSE events. A 503
     from the router (a worker it briefly could not reach on a loaded machine) is retried for up
-    to a minute, as ``k3serve.server.bench.smg_router.post_json`` does."""
+    to a minute (``k3serve.server.bench.smg_router.open_post``)."""
     import json
-    import time
-    import urllib.error
-    import urllib.request
 
-    deadline = time.monotonic() + 60
-    while True:
-        req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-        try:
-            r = urllib.request.urlopen(req, timeout=timeout)
-            break
-        except urllib.error.HTTPError as e:
-            if e.code != 503 or time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+    from k3serve.server.bench.smg_router import open_post
+
+    r = open_post(url, body, timeout=timeout)
     with r:
         if not stream:
             return json.loads(r.read())

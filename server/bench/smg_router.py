@@ -35,16 +35,22 @@ def smg_binary() -> str:
 
 
 def post_json(url: str, body: dict, *, timeout: float = 300.0, unavailable_s: float = 60.0) -> dict:
-    """POST ``body`` as JSON and return the parsed answer. A 503 is retried (after its
-    ``Retry-After``, at most 2 s apart) until ``unavailable_s`` has passed; an HTTP error is
-    raised as ``RuntimeError`` carrying the status and the body the router sent."""
+    """POST ``body`` as JSON and return the parsed answer (:func:`open_post`'s retries)."""
+    with open_post(url, body, timeout=timeout, unavailable_s=unavailable_s) as r:
+        return json.loads(r.read())
+
+
+def open_post(url: str, body: dict, *, timeout: float = 300.0, unavailable_s: float = 60.0):
+    """POST ``body`` as JSON; the open response (a streaming one can be read line by line). A
+    503 is retried (after its ``Retry-After``, at most 2 s apart) until ``unavailable_s`` has
+    passed; an HTTP error is raised as ``RuntimeError`` carrying the status and the body the
+    router sent."""
     data = json.dumps(body).encode()
     deadline = time.monotonic() + unavailable_s
     while True:
         req = urllib.request.Request(url, data, {"content-type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
+            return urllib.request.urlopen(req, timeout=timeout)
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:2000]
             if e.code != 503 or time.monotonic() > deadline:

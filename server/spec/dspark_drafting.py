@@ -130,7 +130,7 @@ def draft_block(draft, target, cache, tok, rows_col, table, fl, acc, last, taps,
     settings (temperature first), ``acc [R]`` drafts accepted, ``last [R]`` each row's last
     emitted token, ``taps [T, n * D]``. Returns ``(tokens [R, block_size] int32, cache)``.
     ``par``: under a recipe, the context rows are written and read per rank like the target's
-    MLA rows (``StepParallel.mla_write_flat`` / ``mla_attend_lse``)."""
+    MLA rows (``StepParallel.mla_write_flat`` / ``mla_write_attend_flat``)."""
     from ...model.dspark import SampleKeys
 
     pool = draft.write_context(taps, tok[1], tok[2], table, cache.mla_kv, layer0, par=par)
