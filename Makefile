@@ -12,6 +12,8 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml setup.py
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	# constrained decoding: xgrammar's native library, without the torch it declares (server/structured)
+	$(BIN)/python -m pip install -q --no-deps xgrammar==0.2.9
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -14,7 +14,8 @@ Subcommands:
              concurrencies; ``bench prefix``: the agentic trace with prefix caching on and off;
              ``bench host``: host time per decode step at several context lengths;
              ``bench step``: decode step time by row count and the memory roofline;
-             ``bench spec``: speculative decoding against plain (imposed acceptance, drafters)
+             ``bench spec``: speculative decoding against plain (imposed acceptance, drafters);
+             ``bench structured``: step time with grammar rows, grammar compile time
 
 Compiled programs are cached on disk (``$K3SERVE_CACHE/jax``, default
 ``~/.cache/k3serve/jax``) so a second start skips XLA compilation.
@@ -164,40 +165,17 @@ def cmd_serve(args) -> int:
     return serve(args)
 
 
+# ``k3serve bench NAME ...``: the in-process benchmarks (server/bench/NAME.py's main)
+BENCHES = {"offline": "offline", "prefix": "prefix", "pd": "pd", "loop": "loop_latency", "host": "host",
+           "warmup": "warmup", "step": "step", "spec": "spec", "structured": "structured"}
+
+
 def cmd_bench(args) -> int:
+    import importlib
+
     rest = list(args.rest)
-    if rest and rest[0] == "offline":
-        from .bench import offline as bench_offline
-
-        return bench_offline.main(rest[1:])
-    if rest and rest[0] == "prefix":
-        from .bench import prefix as bench_prefix
-
-        return bench_prefix.main(rest[1:])
-    if rest and rest[0] == "pd":
-        from .bench import pd as bench_pd
-
-        return bench_pd.main(rest[1:])
-    if rest and rest[0] == "loop":
-        from .bench import loop_latency
-
-        return loop_latency.main(rest[1:])
-    if rest and rest[0] == "host":
-        from .bench import host as bench_host
-
-        return bench_host.main(rest[1:])
-    if rest and rest[0] == "warmup":
-        from .bench import warmup as bench_warmup
-
-        return bench_warmup.main(rest[1:])
-    if rest and rest[0] == "step":
-        from .bench import step as bench_step
-
-        return bench_step.main(rest[1:])
-    if rest and rest[0] == "spec":
-        from .bench import spec as bench_spec
-
-        return bench_spec.main(rest[1:])
+    if rest and rest[0] in BENCHES:
+        return importlib.import_module(f"{__package__}.bench.{BENCHES[rest[0]]}").main(rest[1:])
     from .client.replay import bench_main
 
     return bench_main(rest)
@@ -385,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--kv-memory-gb", type=float, default=None, help="KV budget (KDA slots first, then pages)")
     sv.add_argument("--num-pages", type=int, default=None, help="KV budget as a page count")
     sv.add_argument("--sync", action="store_true", help="disable async scheduling")
+    sv.add_argument("--max-n", type=int, default=8,
+                    help="most samples one request may ask for (n): each runs as a request of its own, the "
+                         "prompt computed once through the prefix cache")
     sv.add_argument("--recipe", default=None, help="parallelism recipe: preset or 'ep=8,tp=4,dcp=32,sp=4' "
                                                     "(default: one device)")
     sv.add_argument("--api-key", default=None,

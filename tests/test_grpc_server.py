@@ -161,15 +161,18 @@ def test_bad_inputs_are_refused_and_change_nothing(served):
         (_req(ok, repetition_penalty=-1.0), "INVALID_ARGUMENT"),
         (_req(ok, frequency_penalty=5.0), "INVALID_ARGUMENT"),
         (_req(ok, presence_penalty=nan), "INVALID_ARGUMENT"),
-        (_req(ok, regex="a+"), "INVALID_ARGUMENT"),
-        (_req(ok, json_schema="{}"), "INVALID_ARGUMENT"),
-        (_req(ok, ebnf_grammar="root ::= 'a'"), "INVALID_ARGUMENT"),
-        (_req(ok, structural_tag="x"), "INVALID_ARGUMENT"),
-        (_req(ok, n=3), "INVALID_ARGUMENT"),
+        # constraints need the checkpoint's tokenizer (this one has none)
+        (_req(ok, regex="a+"), "INVALID_ARGUMENT", "tokenizer"),
+        (_req(ok, json_schema="{}"), "INVALID_ARGUMENT", "tokenizer"),
+        (_req(ok, ebnf_grammar="root ::= 'a'"), "INVALID_ARGUMENT", "tokenizer"),
+        (_req(ok, structural_tag="x"), "INVALID_ARGUMENT", "tokenizer"),
+        (_req(ok, n=9), "INVALID_ARGUMENT", "n=9"),
         (_req(ok, stop_token_ids=[V + 5]), "OUT_OF_RANGE"),
         (_req(ok, min_new_tokens=50, max_new=4), "INVALID_ARGUMENT"),
         (_req(ok, stop=["x"]), "INVALID_ARGUMENT"),  # no tokenizer with this checkpoint
-        (_req(ok, logit_bias={"3": 1.0}), "INVALID_ARGUMENT"),
+        (_req(ok, logit_bias={"x": 1.0}), "INVALID_ARGUMENT", "logit_bias keys"),
+        (_req(ok, logit_bias={str(V + 1): 1.0}), "OUT_OF_RANGE"),
+        (_req(ok, logit_bias={"3": 101.0}), "INVALID_ARGUMENT", "logit_bias values"),
         (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ok), return_logprob=True, top_logprobs_num=99,
                             sampling_params=SP(max_new_tokens=4)), "INVALID_ARGUMENT"),
         (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ok), lora_id="x",
@@ -184,10 +187,10 @@ def test_bad_inputs_are_refused_and_change_nothing(served):
         (_req(ok, custom_params=_params(seed=inf)), "INVALID_ARGUMENT", "seed"),
         (_req(ok, custom_params=_params(seed=nan)), "INVALID_ARGUMENT", "seed"),
         (_req(ok, custom_params=_params(seed=1e300)), "INVALID_ARGUMENT", "out of range"),
-        (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ok), token_ids_logprob=[3],
-                            sampling_params=SP(max_new_tokens=4)), "INVALID_ARGUMENT", "not supported yet"),
+        (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ok), token_ids_logprob=list(range(33)),
+                            sampling_params=SP(max_new_tokens=4)), "INVALID_ARGUMENT", "at most 32"),
         (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ok), token_ids_logprob=[V + 9],
-                            sampling_params=SP(max_new_tokens=4)), "INVALID_ARGUMENT", "not supported yet"),
+                            sampling_params=SP(max_new_tokens=4)), "OUT_OF_RANGE"),
         (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ok), data_parallel_rank=1,
                             sampling_params=SP(max_new_tokens=4)), "INVALID_ARGUMENT", "data_parallel_rank"),
         (_req(ok, rid="r" * 257), "INVALID_ARGUMENT", "request_id"),
@@ -210,7 +213,7 @@ def test_bad_inputs_are_refused_and_change_nothing(served):
     first.cancel()
     assert seen == [(i, getattr(grpc.StatusCode, c[1])) for i, c in enumerate(cases)] + [
         ("dup", grpc.StatusCode.INVALID_ARGUMENT)]
-    assert len(seen) == 42
+    assert len(seen) == 44
     # within the limits: 64 stop ids (held as a set) and a 256-character request id are served
     stops = [t for t in range(V) if t not in expect[0]][:64]
     _, done = _collect(served.stub, _req(base[0], rid="r" * 256, stop_token_ids=stops, max_new=4))

@@ -24,6 +24,7 @@ FLOORS = {
     "k3serve.server.shared_secret": 5,
     "k3serve.server.text": 5,
     "k3serve.server.spec": 5,  # speculative decoding's drafters and acceptance (no engine imports)
+    "k3serve.server.structured": 5,  # constrained decoding: grammars and matchers (xgrammar; no engine imports)
     "k3serve.demo": 6,  # the embedded demo model: synthetic weights + the demo tokenizer
     "k3serve.server.engine": 6,
     "k3serve.server.cluster": 7,

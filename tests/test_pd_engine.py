@@ -219,3 +219,42 @@ def test_a_failing_reservation_callback_ends_only_its_request(engines):
     assert dec.broken is None and isinstance(dec.callback_errors.pop("cb-bad"), RuntimeError)
     assert outs["cb-bad"].finish_reason == "abort" and len(outs[ok].token_ids) == 3
     assert_all_free(dec)
+
+
+class _ByteVocab:
+    """A tokenizer for grammars over the test model's 512 ids: ids 0..255 are their byte, the
+    rest control tokens (no bytes)."""
+
+    vocab_size = 512
+    special_tokens: dict = {}
+
+    def is_special(self, i):
+        return i >= 256
+
+    def token_bytes(self, i):
+        return bytes([i]) if i < 256 else b""
+
+
+@pytest.mark.skipif(not __import__("k3serve.server.structured.xgrammar_native", fromlist=["x"]).available(),
+                    reason="xgrammar is not installed")
+def test_a_grammar_travels_with_the_handoff(engines):
+    """The prefill leg samples the first token under the grammar, the decode side's matcher
+    takes it from the handoff and goes on: the output equals the unified engine's and matches."""
+    import re
+
+    params = SamplingParams(max_new_tokens=12, temperature=0, regex="[a-f]{3}-[0-9]{2}")
+    try:
+        for eng in engines.values():
+            eng.tokenizer, eng._grammars = _ByteVocab(), None
+        prompts = _prompts()
+        want = _unified(engines, prompts, params)
+        _, got = _pd(engines, prompts, params)
+    finally:
+        for eng in engines.values():
+            eng.tokenizer, eng._grammars = None, None
+    eos = engines["unified"].model.config.eos_token_id
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and g.finish_reason == "stop" and g.token_ids[-1] == eos
+        assert re.fullmatch("[a-f]{3}-[0-9]{2}", bytes(g.token_ids[:-1]).decode()), g.token_ids
+    for eng in engines.values():
+        assert_all_free(eng)

@@ -23,6 +23,7 @@ from k3serve.server.engine.sampler import (
     record_tokens,
     sample,
     seed_to_u32,
+    table_width,
     token_table_row,
 )
 from k3serve.server.engine.sampling_params import SamplingParams as SP
@@ -149,10 +150,10 @@ def test_penalties_match_numpy():
     np.testing.assert_array_equal(np.asarray(out.tokens)[:5], want.argmax(1))
     # the device sees no histories, only each row's token table (counts, prompt, suppress bits)
     table = np.asarray(inp.table)
-    assert table.shape == (B, V)
-    np.testing.assert_array_equal(table[1] & COUNT_MASK, np.bincount(outputs[1], minlength=V))
-    assert {int(i) for i in np.flatnonzero(table[2] & PROMPT_BIT)} == {5, 6, 7}
-    assert {int(i) for i in np.flatnonzero(table[4] & SUPPRESS_BIT)} == {7, 8}
+    assert table.shape == (B, table_width(V))
+    np.testing.assert_array_equal(table[1, :V] & COUNT_MASK, np.bincount(outputs[1], minlength=V))
+    assert {int(i) for i in np.flatnonzero(table[2, :V] & PROMPT_BIT)} == {5, 6, 7}
+    assert {int(i) for i in np.flatnonzero(table[4, :V] & SUPPRESS_BIT)} == {7, 8}
 
 
 def test_counts_recorded_by_steps_equal_the_table_from_histories():
@@ -167,7 +168,7 @@ def test_counts_recorded_by_steps_equal_the_table_from_histories():
     first = [[9], [], [7]]  # output known when the row was built (e.g. at re-admission)
     suppress = [[], [5, 63], []]
     rows = np.array([5, 2, 0] + [0] * (B - 3), np.int32)  # table rows of batch rows 0, 1, 2
-    table = np.zeros((6, V), np.int32)
+    table = np.zeros((6, table_width(V)), np.int32)
     for i in range(2):
         table[rows[i]] = token_table_row(prompts[i], first[i], suppress[i], V)
     table = np.asarray(table)
@@ -481,7 +482,7 @@ def test_build_sampler_inputs_padding_and_table():
     params = [SP(temperature=0.5, top_k=-1, repetition_penalty=1.2, seed=2**40 + 3)]
     inp = build_sampler_inputs(params, None, [4], [list(range(40)) + [-1, 99]], [[1, 2, 2]], [[0]],
                                pad_rows_to=4, vocab_size=V)
-    assert inp.temperature.shape == (4,) and inp.table.shape == (4, V)
+    assert inp.temperature.shape == (4,) and inp.table.shape == (4, table_width(V))
     np.testing.assert_array_equal(np.asarray(inp.temperature), [0.5, 0, 0, 0])
     np.testing.assert_array_equal(np.asarray(inp.top_k), [0, 0, 0, 0])
     np.testing.assert_array_equal(np.asarray(inp.repetition_penalty), np.float32([1.2, 1, 1, 1]))
@@ -496,7 +497,7 @@ def test_build_sampler_inputs_padding_and_table():
     want[:40] |= PROMPT_BIT
     want[[1, 2]] += [1, 2]
     want[0] |= SUPPRESS_BIT
-    np.testing.assert_array_equal(t[0], want)
+    np.testing.assert_array_equal(t[0, :V], want)
     with pytest.raises(ValueError, match="no seed"):
         build_sampler_inputs([SP()], None, [0], [[]], [[]], vocab_size=V)
     with pytest.raises(ValueError, match="pad_rows_to"):
@@ -544,3 +545,58 @@ def test_sampling_params_defaults_and_normalization():
     assert p.stop == ("a", "bc") and p.stop_token_ids == (2, 7)
     assert isinstance(p.temperature, float) and p.greedy
     assert SP(frequency_penalty=-2, presence_penalty=2, top_p=1, min_p=1).top_p == 1.0
+
+
+def _pack(allowed: np.ndarray) -> np.ndarray:
+    """bool[B, V] -> xgrammar's packed int32[B, ceil(V / 32)] (bit i % 32 of word i // 32)."""
+    B, V = allowed.shape
+    bits = np.zeros((B, -(-V // 32) * 32), bool)
+    bits[:, :V] = allowed
+    w = (bits.reshape(B, -1, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(-1)
+    return w.astype(np.uint32).view(np.int32)
+
+
+def test_logit_bias_bitmask_and_id_logprobs():
+    """The logit bias is added after the penalties (greedy takes its argmax: -100 removes the
+    argmax, +100 forces an id), the bitmask forbids ids for its row only (sampled rows too),
+    and every row reports its ``token_ids_logprob`` ids' raw log-probs."""
+    rng = np.random.default_rng(7)
+    B, V = 6, 100
+    logits = rng.normal(size=(B, V)).astype(np.float32) * 3
+    top = logits.argmax(1)
+    params = [SP(temperature=0, logit_bias={int(top[0]): -100.0}),
+              SP(temperature=0, logit_bias={17: 100.0}, token_ids_logprob=(3, 17, 99)),
+              SP(temperature=0), SP(temperature=1.0, seed=4), SP(temperature=0.7, seed=9, top_k=5),
+              SP(temperature=0, token_ids_logprob=(int(top[5]),))]
+    inp = build_sampler_inputs(params, None, [0] * B, [[1]] * B, [[]] * B, vocab_size=V)
+    allowed = np.ones((B, V), bool)
+    allowed[2] = False
+    allowed[2, [5, 50, 60]] = True  # a greedy row under a grammar: its best of three
+    allowed[3] = False
+    allowed[3, [11, 12]] = True  # a sampled row under a grammar
+    out = sample(jnp.asarray(logits), inp, 2, bitmask=jnp.asarray(_pack(allowed)))
+    tok = np.asarray(out.tokens)
+    second = np.argsort(-logits[0])[1]
+    assert tok[0] == second and tok[1] == 17
+    assert tok[2] == [5, 50, 60][int(np.argmax(logits[2, [5, 50, 60]]))]
+    assert tok[3] in (11, 12) and tok[5] == top[5]
+    lp = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) - logits.max(1, keepdims=True)
+    idl = np.asarray(out.id_logprobs)
+    np.testing.assert_allclose(idl[1, :3], lp[1, [3, 17, 99]], rtol=1e-5, atol=1e-5)  # raw: before the bias
+    np.testing.assert_allclose(idl[5, 0], lp[5, top[5]], rtol=1e-5, atol=1e-5)
+    # without a bitmask (or an all-ones one) nothing but the bias changes
+    free = sample(jnp.asarray(logits), inp, 2, bitmask=jnp.full((B, 4), -1, jnp.int32))
+    plain = sample(jnp.asarray(logits), inp, 2)
+    np.testing.assert_array_equal(np.asarray(free.tokens), np.asarray(plain.tokens))
+    assert np.asarray(plain.tokens)[2] == top[2]
+
+
+def test_logit_bias_is_validated():
+    for bad in ({-1: 1.0}, {1: 100.5}, {1: float("nan")}, {"1": 1.0}, {i: 1.0 for i in range(301)}):
+        with pytest.raises(ValueError):
+            SP(logit_bias=bad)
+    with pytest.raises(ValueError):
+        SP(token_ids_logprob=tuple(range(33)))
+    with pytest.raises(ValueError):
+        SP(regex="a", json_schema="{}")
+    assert SP(logit_bias={}).logit_bias is None

@@ -92,6 +92,7 @@ def build_engine(args, path, dispatch=None):
           f"{st['checkpoint_bytes']} checkpoint bytes ({100 * st['bytes_read'] / max(1, st['checkpoint_bytes']):.0f}%), "
           f"peak RSS {_peak_rss_mib():.0f} MiB", flush=True)
     detok = None
+    tok = None
     try:
         from ..text.tokenizer import load_tokenizer
 
@@ -105,7 +106,8 @@ def build_engine(args, path, dispatch=None):
     eng = Engine(m, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  chunk_size=args.chunk_size, page_size=args.page_size, max_model_len=args.max_model_len,
                  bucket_growth=args.bucket_growth,
-                 detokenizer=detok, async_scheduling=not args.sync, recipe=args.recipe,
+                 detokenizer=detok, tokenizer=tok, async_scheduling=not args.sync, recipe=args.recipe,
+                 max_n=getattr(args, "max_n", 8),
                  dispatch=dispatch, pd_handoff_bytes=pd_handoff_bytes(args), pd_role=getattr(args, "role", None),
                  **prefix_kwargs(args), **spec_kwargs(args), **kv)
     return eng

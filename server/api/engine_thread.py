@@ -67,14 +67,15 @@ def _final(h: "RequestHandle", reason: str = "abort") -> RequestOutput:
 
 
 class RequestHandle:
-    def __init__(self, loop: "EngineThread", rid: str, num_prompt: int):
+    def __init__(self, loop: "EngineThread", rid: str, num_prompt: int, q: queue.SimpleQueue | None = None):
         self.loop = loop
         self.rid = rid
         self.num_prompt = num_prompt
         self.submitted = time.monotonic()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
-        self._q: queue.SimpleQueue = queue.SimpleQueue()  # RequestOutput, or an exception to raise
+        # RequestOutput, or an exception to raise (shared by the samples of one n > 1 request)
+        self._q: queue.SimpleQueue = q if q is not None else queue.SimpleQueue()
         self.finished = False  # the final output (or an error) has been put
         self.admitted = False  # the engine holds the request
         self.abort_requested = False
@@ -95,6 +96,32 @@ class RequestHandle:
         """Abort this request if it is still running; False if it already ended (or an abort
         is already on its way)."""
         return self.loop._abort_handle(self)
+
+
+class HandleGroup:
+    """The ``n`` samples of one request (``EngineThread.submit_n``): their outputs on one queue,
+    each with its sample index."""
+
+    def __init__(self, handles: list[RequestHandle]):
+        self.handles = handles
+        self.num_prompt = handles[0].num_prompt
+        self._index = {h.rid: i for i, h in enumerate(handles)}
+
+    def outputs(self) -> Iterator[tuple[int, RequestOutput]]:
+        """``(sample index, delta)`` until every sample's finished one; raises ``EngineFailed``
+        (or the request's error) as :meth:`RequestHandle.outputs` does."""
+        left = set(self._index)
+        q = self.handles[0]._q
+        while left:
+            out = q.get()
+            if isinstance(out, BaseException):
+                raise out
+            yield self._index[out.rid], out
+            if out.finished:
+                left.discard(out.rid)
+
+    def abort(self) -> bool:
+        return any([h.abort() for h in self.handles])
 
 
 class EngineThread:
@@ -119,7 +146,8 @@ class EngineThread:
     # ------------------------------------------------------------------ callers
     def submit(self, prompt, params: SamplingParams | None = None, *, rid: str | None = None,
                priority: int = 0, cache_salt: str | None = None, api_key: str | None = None,
-               export: bool = False, on_reserved: Callable[[str], None] | None = None) -> RequestHandle:
+               export: bool = False, on_reserved: Callable[[str], None] | None = None,
+               _queue: queue.SimpleQueue | None = None) -> RequestHandle:
         """``export``: a P/D prefill (one token, then the cache on the final output's
         ``handoff``). ``on_reserved``: a P/D decode — the prompt is computed elsewhere; called
         (on the engine thread: it must not block) once a slot and pages are reserved, after
@@ -129,7 +157,7 @@ class EngineThread:
         self._check_open()
         ids = self.engine.validate(prompt, params)  # pure: never touches engine state
         rid = rid or f"k3-{uuid.uuid4().hex}"
-        h = RequestHandle(self, rid, len(ids))
+        h = RequestHandle(self, rid, len(ids), _queue)
         h.submit_step = self.num_steps
         with self._lock:
             self._check_open()
@@ -138,6 +166,26 @@ class EngineThread:
             self._handles[rid] = h
             self._inbox.put(("submit", h, (ids, params, priority, cache_salt, api_key, export, on_reserved)))
         return h
+
+    def submit_n(self, prompt, params: SamplingParams, *, rid: str | None = None, **kw) -> HandleGroup:
+        """A request for ``params.n`` samples: ``n`` engine requests ``RID#0 .. RID#n-1`` (sample
+        ``i``'s params: ``sampling_params.sample_params``), one output queue. The prefix cache
+        computes their shared prompt once (the later samples wait for the first). Refused
+        whole: a sample that cannot be submitted aborts those before it."""
+        from ..engine.sampling_params import sample_params
+
+        self.engine.validate(prompt, params)
+        rid = rid or f"k3-{uuid.uuid4().hex}"
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        handles: list[RequestHandle] = []
+        try:
+            for i in range(params.n):
+                handles.append(self.submit(prompt, sample_params(params, i), rid=f"{rid}#{i}", _queue=q, **kw))
+        except BaseException:
+            for h in handles:
+                h.abort()
+            raise
+        return HandleGroup(handles)
 
     def deliver(self, rid: str, handoff) -> None:
         """P/D decode: the handoff of a request submitted with ``on_reserved``."""
@@ -159,10 +207,14 @@ class EngineThread:
         return True
 
     def abort(self, rid: str) -> bool:
-        """Abort the live request with this id; False if there is none."""
+        """Abort the live request with this id (or, for an ``n > 1`` request, its samples
+        ``RID#i``); False if there is none."""
         with self._lock:
             h = self._handles.get(rid)
-        return h.abort() if h is not None else False
+            samples = [] if h is not None else [x for r, x in self._handles.items() if r.startswith(rid + "#")]
+        if h is not None:
+            return h.abort()
+        return any([x.abort() for x in samples])
 
     def _abort_handle(self, h: RequestHandle) -> bool:
         with self._lock:

@@ -78,8 +78,6 @@ def check_request(req: "pb.GenerateRequest", *, dp_size: int) -> None:
     """Request-level fields ``sampling_from_proto`` does not map; BadRequest for what we refuse."""
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:
         raise BadRequest(f"request_id has {len(req.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
-    if len(req.token_ids_logprob):
-        raise BadRequest("token_ids_logprob is not supported yet (use return_logprob with top_logprobs_num)")
     if req.HasField("data_parallel_rank") and not 0 <= req.data_parallel_rank < dp_size:
         raise BadRequest(f"data_parallel_rank {req.data_parallel_rank} is not in [0, {dp_size}) "
                          f"(this engine's data-parallel size is {dp_size})")
@@ -91,13 +89,6 @@ def sampling_from_proto(req: "pb.GenerateRequest", *, max_model_len: int, has_de
     has_sp = req.HasField("sampling_params")
     n_prompt = len(req.tokenized.input_ids)
     if has_sp:
-        constraint = sp.WhichOneof("constraint")
-        if constraint:
-            raise BadRequest(f"constrained decoding ({constraint}) is not supported by this server")
-        if sp.n > 1:
-            raise BadRequest(f"n={sp.n} is not supported (one sample per request)")
-        if len(sp.logit_bias):
-            raise BadRequest("logit_bias is not supported")
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             if not math.isfinite(getattr(sp, name)):
                 raise BadRequest(f"{name} must be a finite number, got {getattr(sp, name)}")
@@ -134,6 +125,19 @@ def sampling_from_proto(req: "pb.GenerateRequest", *, max_model_len: int, has_de
         raise BadRequest("custom logit processors are not supported")
     if req.return_hidden_states:
         raise BadRequest("return_hidden_states is not supported")
+    constraint = {}
+    kind = sp.WhichOneof("constraint") if has_sp else None
+    if kind:  # compiled when the engine validates the request (this thread, not the engine's)
+        constraint = {"ebnf" if kind == "ebnf_grammar" else kind: getattr(sp, kind)}
+    bias = {}
+    for key, value in (sp.logit_bias.items() if has_sp else ()):
+        try:
+            tid = int(key)
+        except ValueError:
+            raise BadRequest(f"logit_bias keys must be token ids, got {key!r}") from None
+        if tid < 0:
+            raise BadRequest(f"logit_bias keys must be token ids, got {key!r}")
+        bias[tid] = float(value)
     seed = None
     if sp.HasField("custom_params"):  # the proto has no seed field: {"seed": N} (or "sampling_seed")
         extra = dict(sp.custom_params.items())
@@ -163,6 +167,10 @@ def sampling_from_proto(req: "pb.GenerateRequest", *, max_model_len: int, has_de
             min_new_tokens=int(sp.min_new_tokens),
             logprobs=logprobs,
             seed=seed,
+            logit_bias=bias or None,
+            token_ids_logprob=[int(t) for t in req.token_ids_logprob],
+            n=int(sp.n) if has_sp and sp.n > 0 else 1,
+            **constraint,
         )
     except ValueError as e:
         raise BadRequest(str(e)) from None
@@ -241,7 +249,11 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
             key = md.get("authorization", "")
             ids = list(request.tokenized.input_ids)
             kw = dict(rid=rid, cache_salt=md.get("x-cache-salt") or None, api_key=key.removeprefix("Bearer ") or None)
-            if prefill is not None:  # P/D prefill: compute only once the decode has room for the result
+            if params.n > 1 and dparams is not None:
+                raise BadRequest(f"n={params.n} with prefill/decode disaggregation is not supported (n=1 only)")
+            if params.n > 1:  # samples RID#0..n-1: the prefix cache computes the prompt once
+                handle = loop.submit_n(ids, params, **kw)
+            elif prefill is not None:  # P/D prefill: compute only once the decode has room for the result
                 eng.validate(ids, params)
                 room = prefill.wait_for_decode((dparams.bootstrap_room, rid), context)
                 prefill.check_registration(room, ids)
@@ -278,20 +290,26 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
                 prefill.rooms.fail(room.key, HandoffError("ABORTED", f"the prefill of {rid!r} was cancelled"))
 
     def _stream(self, handle, request, rid, params, on_final=None):
+        """The responses of ``handle`` (a ``RequestHandle``, or the ``HandleGroup`` of an n > 1
+        request: chunks and completes carry the sample's ``index``)."""
         n_prompt = handle.num_prompt
         want_lp = params.logprobs is not None
-        sent_lp = 0
-        for out in handle.outputs():
+        want_ids = bool(params.token_ids_logprob)
+        sent_lp = {}  # sample index -> logprobs sent
+        outputs = handle.outputs() if hasattr(handle, "handles") else ((0, o) for o in handle.outputs())
+        for index, out in outputs:
             if request.stream and out.new_token_ids:
                 chunk = pb.GenerateStreamChunk(token_ids=out.new_token_ids, prompt_tokens=n_prompt,
                                                completion_tokens=out.completion_tokens,
-                                               cached_tokens=out.cached_tokens)
+                                               cached_tokens=out.cached_tokens, index=index)
                 if want_lp:
                     new_lp = getattr(out, "new_logprobs", None)
                     if new_lp is None:  # outputs that carry the whole list so far
-                        new_lp = out.logprobs[sent_lp:]
-                    sent_lp += len(new_lp)
+                        new_lp = out.logprobs[sent_lp.get(index, 0):]
+                    sent_lp[index] = sent_lp.get(index, 0) + len(new_lp)
                     chunk.output_logprobs.CopyFrom(_logprobs(new_lp, out.new_token_ids))
+                if want_ids:
+                    _id_logprobs(chunk.output_logprobs, out.new_id_logprobs or [])
                 yield pb.GenerateResponse(request_id=rid, chunk=chunk)
             if out.finished:
                 if on_final is not None:
@@ -300,13 +318,16 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
                                            prompt_tokens=n_prompt, completion_tokens=out.completion_tokens,
                                            cached_tokens=out.cached_tokens,
                                            spec_draft_tokens=getattr(out, "spec_draft_tokens", 0),
-                                           spec_accepted_tokens=getattr(out, "spec_accepted_tokens", 0))
+                                           spec_accepted_tokens=getattr(out, "spec_accepted_tokens", 0),
+                                           index=index)
                 if isinstance(out.matched_stop, str):
                     done.matched_stop_str = out.matched_stop
                 elif out.matched_stop is not None:
                     done.matched_token_id = int(out.matched_stop)
                 if want_lp:
                     done.output_logprobs.CopyFrom(_logprobs(out.logprobs or [], out.token_ids))
+                if want_ids:
+                    _id_logprobs(done.output_logprobs, out.id_logprobs or [])
                 yield pb.GenerateResponse(request_id=rid, complete=done)
 
     def Abort(self, request, context):
@@ -535,6 +556,12 @@ def _logprobs(lps, ids) -> "pb.OutputLogProbs":
         out.token_ids.append(int(tid))
         out.top_logprobs.append(pb.TopLogProbs(values=[b for _, b in top], token_ids=[int(a) for a, _ in top]))
     return out
+
+
+def _id_logprobs(into: "pb.OutputLogProbs", rows) -> None:
+    """``token_ids_logprob``: one row per output position, the asked ids' log-probs."""
+    for row in rows:
+        into.token_ids_logprobs.append(pb.TopLogProbs(values=[b for _, b in row], token_ids=[int(a) for a, _ in row]))
 
 
 def _kv_event(e) -> "common_pb2.KvCacheEvent":

@@ -27,6 +27,7 @@ import numpy as np
 
 from ...checkpoints.loader import abstract_pretrained
 from .engine import Engine
+from .sampler import table_width
 from .warm_programs import small_program_widths
 
 
@@ -133,12 +134,13 @@ def serving_programs(engine, context=contextlib.nullcontext, want=lambda name: T
             if sp:
                 logits, _, rows, spec = src.out_info[:4]
                 for u, n in zip((False, True), snames):
-                    yield _attempt(n, lambda u=u: run._sample_spec_jit[u].lower(logits, rows, spec, run.table),
-                                   context)[0]
+                    yield _attempt(n, lambda u=u: run._sample_spec_jit[u].lower(logits, rows, spec, run.table,
+                                                                                run.bitmask_arg(R)), context)[0]
                 continue
             logits, _, rows = src.out_info
-            yield _attempt(snames[0], lambda: run._sample_jit.lower(logits, rows, run.table), context)[0]
-    progs = [("table_row", lambda: run._set_row.lower(run.table, _sds(()), _sds((run.vocab_size,))))]
+            yield _attempt(snames[0], lambda: run._sample_jit.lower(logits, rows, run.table, run.bitmask_arg(R)),
+                           context)[0]
+    progs = [("table_row", lambda: run._set_row.lower(run.table, _sds(()), _sds((table_width(run.vocab_size),))))]
     if engine.prefix_cache is not None:
         for w in mgr.copy_widths:
             for what in ("pages", "slots"):

@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
+import threading
 import time
 from typing import Any, Callable
 
@@ -64,7 +65,7 @@ class Engine:
                  prefix_snapshots: int | None = None, prefix_cache_bytes: int | None = None,
                  prefix_host_bytes: int = 1 << 30, bucket_growth: int = 8, dispatch=None, pd_handoff_bytes: int = 0,
                  pd_role: str | None = None, abstract: bool = False, speculative: dict | None = None,
-                 drafter=None):
+                 drafter=None, tokenizer=None, max_n: int = 8):
         """``abstract``: build the engine for compiling only (``aot_build``, ``k3serve compile``):
         ``model.params`` are ``ShapeDtypeStruct``s already placed on ``devices`` (by the recipe's
         ``placement_for``, or on ``devices[0]``), the cache and the runner's arrays are made as
@@ -137,6 +138,12 @@ class Engine:
             self.par = StepParallel(self.recipe, self.mesh)
         dp, dcp = (self.recipe.dp, self.recipe.dcp) if self.recipe is not None else (1, 1)
         self.max_model_len = max_model_len
+        if detokenizer is None and tokenizer is not None:
+            detokenizer = lambda: tokenizer.detokenizer(keep_text=False)  # noqa: E731
+        self.tokenizer = tokenizer  # constrained decoding compiles grammars against its vocabulary
+        self.max_n = max_n  # parallel samples one request may ask for (the API layers fan them out)
+        self._grammars = None  # structured.grammar.GrammarCompiler, built at the first constraint
+        self._grammars_lock = threading.Lock()
         self.detokenizer = detokenizer  # () -> object with .add(ids) -> new text
         self.detokenize = detokenizer  # the API layer checks this name (stop strings need it)
         self.async_scheduling = async_scheduling
@@ -241,6 +248,13 @@ class Engine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < V]
         if bad:
             raise OutOfRangeError(f"stop token id {bad[0]} out of range [0, {V})")
+        bad = [t for t in (params.logit_bias or ()) if t >= V] + [t for t in params.token_ids_logprob if t >= V]
+        if bad:
+            raise OutOfRangeError(f"token id {bad[0]} (logit_bias / token_ids_logprob) out of range [0, {V})")
+        if params.constraint is not None:
+            self._compile_grammar(params.constraint)
+        if params.n > self.max_n:
+            raise RequestError(f"n={params.n} exceeds this engine's limit of {self.max_n} samples per request")
         if params.logprobs is not None and params.logprobs > self.runner.max_logprobs:
             raise RequestError(f"logprobs {params.logprobs} exceeds this engine's max_logprobs "
                                f"{self.runner.max_logprobs}")
@@ -253,6 +267,46 @@ class Engine:
             raise CapacityError(f"prompt + max_new_tokens = {total} tokens exceeds the KV capacity "
                                 f"({self.capacity_plan.max_tokens_per_request} tokens)")
         return ids
+
+    def grammar_compiler(self):
+        """The engine's ``structured.grammar.GrammarCompiler`` (built at the first constrained
+        request: the vocabulary's bytes from ``tokenizer``, the model's eos as the stop id)."""
+        from ..structured.grammar import GrammarCompiler
+        from ..structured.xgrammar_native import Unavailable
+
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise RequestError("constrained decoding needs the checkpoint's tokenizer (this engine has none)")
+                eos = self.model.config.eos_token_id
+                try:
+                    self._grammars = GrammarCompiler.from_tokenizer(self.tokenizer, self.model.config.vocab_size,
+                                                                    [] if eos is None else [int(eos)])
+                except Unavailable as e:
+                    raise RequestError(str(e)) from None
+            return self._grammars
+
+    def _compile_grammar(self, constraint):
+        from ..structured.grammar import GrammarError
+
+        try:
+            return self.grammar_compiler().compile(constraint)
+        except GrammarError as e:
+            raise RequestError(str(e)) from None
+
+    def _matcher(self, params: SamplingParams):
+        """A request's grammar matcher (its stop ids: the model's eos unless ``ignore_eos``, and
+        its ``stop_token_ids``), or None."""
+        c = params.constraint
+        if c is None:
+            return None
+        from ..structured.grammar import Matcher
+
+        eos = self.model.config.eos_token_id
+        stops = ([] if eos is None or params.ignore_eos else [int(eos)]) + list(params.stop_token_ids)
+        comp = self.grammar_compiler()
+        return Matcher(self._compile_grammar(c), self.model.config.vocab_size, stops,
+                       keep=comp.json_keep if c.kind == "json_schema" else None)
 
     def add_request(self, prompt, params: SamplingParams | None = None, *, rid: str | None = None,
                     priority: int = 0, cache_salt: str | None = None, api_key: str | None = None) -> str:
@@ -291,6 +345,9 @@ class Engine:
 
     def _queue(self, ids, params: SamplingParams, rid: str | None, priority: int, cache_salt, api_key,
                **fields) -> str:
+        if params.n != 1:
+            raise RequestError(f"the engine runs one sample per request (n={params.n}): submit each sample "
+                               "(sampling_params.sample_params), as LLM and the gRPC server do")
         if rid is not None and rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
         if rid is None:
@@ -301,7 +358,7 @@ class Engine:
         from .cache.prefix_keys import tenant_salt
 
         req = Request(prompt=list(ids), params=params, rid=rid, priority=priority, seed=seed,
-                      salt=tenant_salt(cache_salt, api_key), **fields)
+                      salt=tenant_salt(cache_salt, api_key), grammar=self._matcher(params), **fields)
         self.requests[req.rid] = req
         self.scheduler.add(req)
         return req.rid
@@ -335,6 +392,8 @@ class Engine:
         req.prefilled, req.awaiting = None, False
         req.cached_tokens = h.cached_tokens
         req.output.append(int(h.first_token))
+        if req.grammar is not None:
+            req.grammar.accept(int(h.first_token))
         if req.params.logprobs is not None and h.logprob is not None:
             lp, top = h.logprob
             req.logprobs.append((float(lp), [(int(a), float(b)) for a, b in top[:req.params.logprobs]]))
@@ -406,8 +465,10 @@ class Engine:
     def _step(self) -> list[RequestOutput]:
         # requests aborted since the last step still owe their final output
         touched: dict[str, Request] = dict(self._owed)
-        if self._inflight is not None and self.scheduler.prefers_sync():
-            # speculation whose guesses would mostly fail: this step is planned synchronously
+        if self._inflight is not None and (self.scheduler.prefers_sync() or any(
+                r.req.grammar is not None and not r.req.finished for r in self._inflight.rows)):
+            # speculation whose guesses would mostly fail, or a grammar whose matcher needs the
+            # token in flight before the next is sampled: this step is planned synchronously
             done, self._inflight = self._inflight, None
             self._process(done, touched)
             self.sync_steps += 1
@@ -469,7 +530,9 @@ class Engine:
                                          req.logprobs if fin and lp else None, req.cached_tokens or 0,
                                          req.logprobs[req.emitted:] if lp else None,
                                          req.handoff if fin else None, req.spec_draft_tokens,
-                                         req.spec_accepted_tokens))
+                                         req.spec_accepted_tokens,
+                                         req.id_logprobs[req.emitted:] if req.params.token_ids_logprob else None,
+                                         req.id_logprobs if fin and req.params.token_ids_logprob else None))
             req.emitted = n
             if fin:
                 del self.requests[req.rid]
@@ -506,9 +569,14 @@ class Engine:
     def _append(self, req: Request, tok: int, out, i: int, j: int | None = None) -> None:
         """Append sampled token ``tok`` (row ``i``'s, verify position ``j`` of a speculative step)."""
         req.output.append(tok)
+        if req.grammar is not None:
+            req.grammar.accept(tok)
+        at = (i,) if j is None else (i, j)
+        if req.params.token_ids_logprob:
+            ids = req.params.token_ids_logprob
+            req.id_logprobs.append([(int(t), float(v)) for t, v in zip(ids, out.id_logprobs[at][:len(ids)])])
         if req.params.logprobs is not None:
             n = req.params.logprobs
-            at = (i,) if j is None else (i, j)
             req.logprobs.append((float(out.logprob[at]),
                                  [(int(a), float(b)) for a, b in zip(out.top_ids[at][:n], out.top_logprobs[at][:n])]))
 
@@ -578,6 +646,11 @@ class Engine:
 
     def _check_stop(self, req: Request, tok: int) -> None:
         p = req.params
+        g = req.grammar
+        if g is not None and (g.terminated or g.rejected is not None):
+            # the grammar ended on a stop id, or could not take the token (every id it allowed was
+            # suppressed, e.g. eos before min_new_tokens): the request ends here
+            return self._finish(req, "stop", tok)
         text = None
         if p.stop and self.detokenizer is not None:  # every token goes through the detokenizer
             st = req.stop_text

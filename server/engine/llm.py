@@ -8,7 +8,7 @@ import numpy as np
 from ...checkpoints import load_pretrained
 from .engine import Engine
 from .request import EngineError, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, sample_params
 
 
 def recipe_placement(model_path, recipe, devices=None):
@@ -40,6 +40,11 @@ class LLM:
         placement = recipe_placement(model_path, engine_kwargs.get("recipe"), engine_kwargs.get("devices"))
         self.model = load_pretrained(model_path, dtype=dtype, dequantize_experts=dequantize_experts,
                                      placement=placement, kernels=kernels)
+        if "tokenizer" not in engine_kwargs and "detokenizer" not in engine_kwargs:
+            # stop strings and constrained decoding need the checkpoint's tokenizer
+            from ..text.tokenizer import load_tokenizer
+
+            engine_kwargs["tokenizer"] = load_tokenizer(model_path)
         self.engine = Engine(self.model, **engine_kwargs)
         self._mine: dict[str, list[RequestOutput]] = {}  # rid -> outputs not yet taken by its caller
 
@@ -47,7 +52,9 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Run every prompt to completion (continuously batched); outputs in prompt order.
         ``prompts``: a list of prompts (each a sequence of ids or an integer numpy array), or
-        one prompt (a flat sequence of ids, or a 1-D integer array)."""
+        one prompt (a flat sequence of ids, or a 1-D integer array). A prompt whose params ask
+        for ``n > 1`` samples gets a list of ``n`` outputs (sample ``i`` seeded ``seed + i``);
+        its prompt is computed once when prefix caching is on (the samples wait for it)."""
         if isinstance(prompts, np.ndarray):
             prompts = [prompts] if prompts.ndim == 1 else list(prompts)
         elif len(prompts) and isinstance(prompts[0], (int, np.integer)):
@@ -55,7 +62,13 @@ class LLM:
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError("need one SamplingParams per prompt (or a single one)")
-        rids = [self._add(p, sp) for p, sp in zip(prompts, plist)]
+        groups = []  # per prompt: its request ids (n of them for n samples)
+        for p, sp in zip(prompts, plist):
+            n = sp.n if sp is not None else 1
+            if n > 1:
+                self.engine.validate(p, sp)  # the limit on n, before any sample is queued
+            groups.append([self._add(p, sample_params(sp, i) if n > 1 else sp) for i in range(n)])
+        rids = [r for g in groups for r in g]
         done: dict[str, RequestOutput] = {}
         try:
             while len(done) < len(rids):
@@ -70,10 +83,13 @@ class LLM:
                 self._mine.pop(rid, None)
                 if rid not in done and self.engine.broken is None:
                     self.engine.abort(rid)
-        return [done[r] for r in rids]
+        return [done[g[0]] if len(g) == 1 and (plist[i] is None or plist[i].n == 1) else [done[r] for r in g]
+                for i, g in enumerate(groups)]
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield one delta per step that produced tokens for this prompt, the last finished."""
+        if params is not None and params.n > 1:
+            raise ValueError("stream() runs one sample (n=1); generate() takes n > 1")
         rid = self._add(prompt, params)
         try:
             while True:

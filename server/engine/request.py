@@ -103,6 +103,8 @@ class Request:
     spec_fold: int = 0  # speculative: drafts accepted by the last step, committed at the start of the next
     spec_draft_tokens: int = 0  # drafts verified for this request
     spec_accepted_tokens: int = 0  # drafts accepted
+    grammar: object = None  # constrained decoding: its structured.grammar.Matcher, advanced per token
+    id_logprobs: list = dataclasses.field(default_factory=list)  # token_ids_logprob: per output token [(id, lp)]
 
     def __post_init__(self):
         if not self.rid:
@@ -170,3 +172,7 @@ class RequestOutput:
     handoff: object = None  # P/D prefill: the final output's handoff.Handoff
     spec_draft_tokens: int = 0  # speculative decoding: drafts verified so far
     spec_accepted_tokens: int = 0  # and accepted
+    # token_ids_logprob: per output token [(id, logprob), ...], for ``new_token_ids`` (and, on the
+    # finished output, ``id_logprobs`` for every output token)
+    new_id_logprobs: list | None = None
+    id_logprobs: list | None = None

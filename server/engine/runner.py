@@ -52,13 +52,15 @@ from flax import nnx
 from ...intmath import cdiv
 from ...model.step import FlatBatch, token_buckets
 from .process_barrier import wait_for_processes
-from .sampler import SamplerInputs, record_tokens, row_settings, sample, token_table_row, uses_penalties
+from .sampler import (SamplerInputs, record_tokens, row_settings, sample, table_width, token_table_row,
+                      uses_penalties)
 from .spec_follow import follow_rows
 
 # per-row flag bits: suppress the stop ids now; count the sampled token into the token table; the
 # request has ids to suppress before ``min_new_tokens`` (a speculative step decides per position on
 # the device); the row's drafts are the previous step's block on the device (DSpark, async)
-_SUPPRESS, _RECORD, _SUPP_IDS, _DEV_DRAFTS = 1, 2, 4, 8
+# the row's token table row carries a logit bias
+_SUPPRESS, _RECORD, _SUPP_IDS, _DEV_DRAFTS, _BIAS = 1, 2, 4, 8, 16
 # per-row int columns of the packed metadata, then 6 float columns (f32 bits)
 _COLS = ("start", "q_len", "read_slot", "write_slot", "fresh", "logits_idx", "first_tok", "from_prev", "trow",
          "top_k", "seed", "step", "flags", "decode", "fold", "jrow", "ndraft", "assumed", "guess", "min_new")
@@ -77,7 +79,8 @@ def _sampler_inputs(rows, table) -> SamplerInputs:
     return SamplerInputs(temperature=fl[:, 0], top_k=col["top_k"], top_p=fl[:, 1], min_p=fl[:, 2],
                          repetition_penalty=fl[:, 3], frequency_penalty=fl[:, 4], presence_penalty=fl[:, 5],
                          seed=jax.lax.bitcast_convert_type(col["seed"], jnp.uint32), step=col["step"],
-                         suppress=(col["flags"] & _SUPPRESS) != 0, table_rows=col["trow"], table=table)
+                         suppress=(col["flags"] & _SUPPRESS) != 0, table_rows=col["trow"], table=table,
+                         bias=(col["flags"] & _BIAS) != 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +126,7 @@ class HostSample:
     logprob: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
+    id_logprobs: np.ndarray  # [rows, MAX_TOKEN_IDS_LOGPROB]: each row's token_ids_logprob ids' log-probs
     accepted: np.ndarray | None = None  # speculative: drafts accepted per row (tokens etc. are [rows, n])
     drafts: np.ndarray | None = None  # DSpark: each row's next block, proposed on the device [rows, block]
 
@@ -149,7 +153,8 @@ class InFlight:
             self.runner.wait_s += time.perf_counter() - t
             got, accepted, drafts = (got + (None,))[:3] if isinstance(got, tuple) else (got, None, None)
             self._host = HostSample(**{name: np.asarray(getattr(got, name))[self.index]
-                                       for name in ("tokens", "logprob", "top_ids", "top_logprobs")},
+                                       for name in ("tokens", "logprob", "top_ids", "top_logprobs",
+                                                                    "id_logprobs")},
                                     accepted=None if accepted is None else np.asarray(accepted)[self.index],
                                     drafts=None if drafts is None else np.asarray(drafts)[self.index])
         return self._host
@@ -258,13 +263,13 @@ class Runner:
             where = keep.get("out_shardings") or jax.tree.leaves(cache_mgr.device_cache)[0].sharding
             self._zero_prev = jax.ShapeDtypeStruct((R,), jnp.int32, sharding=where)
             self._zero_block = jax.ShapeDtypeStruct((R, block_w), jnp.int32, sharding=where)
-            self.table = jax.ShapeDtypeStruct((rows + 1, V), jnp.int32, sharding=where)
+            self.table = jax.ShapeDtypeStruct((rows + 1, table_width(V)), jnp.int32, sharding=where)
         else:
             # a speculative step's previous-step inputs when that step had none: no tokens, no
             # accepted drafts (the zeros of ``_zero_prev``), no proposed block
             self._zero_prev = jnp.zeros(R, jnp.int32)
             self._zero_block = jnp.zeros((R, block_w), jnp.int32)
-            self.table = jnp.zeros((rows + 1, V), jnp.int32)
+            self.table = jnp.zeros((rows + 1, table_width(V)), jnp.int32)
             if keep:
                 self.table = jax.device_put(self.table, keep["out_shardings"])
                 self._zero_prev = jax.device_put(self._zero_prev, keep["out_shardings"])
@@ -273,6 +278,9 @@ class Runner:
         # split the row columns across devices (one row index per shard) and its
         # reduce-scatter legalizer then failed (a RET_CHECK; v7-32-prefill at 4 rows)
         self._meta_sharding = keep.get("out_shardings")
+        self._bitmask_where = where if abstract else keep.get("out_shardings")
+        self.bitmask_words = -(-V // 32)
+        self._all_allowed: dict = {}  # rows -> the bitmask of a step without grammars (all ones)
         self._table_row: dict[str, int] = {}
         self._table_free = list(range(rows, 0, -1))
         self._set_row = programs.jit(lambda table, i, row: table.at[i].set(row), "table_row", donate_argnums=(0,),
@@ -322,15 +330,15 @@ class Runner:
                 cache = par.pin_cache(cache)
             return logits, cache, rows
 
-        def sample_body(logits, rows, table):
+        def sample_body(logits, rows, table, bitmask):
             col = _columns(rows)
-            out = sample(logits, _sampler_inputs(rows, table), max_logprobs)
+            out = sample(logits, _sampler_inputs(rows, table), max_logprobs, bitmask=bitmask)
             table = record_tokens(table, col["trow"], out.tokens, (col["flags"] & _RECORD) != 0)
             n = rows.shape[0]
             tokens = out.tokens if n == R else jnp.zeros(R, jnp.int32).at[:n].set(out.tokens)
             return out, tokens, table
 
-        def sample_spec(logits, rows, spec, table, *, use_table: bool):
+        def sample_spec(logits, rows, spec, table, bitmask, *, use_table: bool):
             """Sampling of a speculative step: every verify position of every row (``[R * n]``
             logits), each with plain decoding's sampler row at that token
             (``spec_positions.verify_sampler_inputs``); the drafts kept while they equal the
@@ -344,13 +352,13 @@ class Runner:
             a warmed-up engine's next step refused them) and as each process reads them."""
             body = functools.partial(spec_body, use_table=use_table)
             if par is None:
-                return body(logits, rows, spec, table)
+                return body(logits, rows, spec, table, bitmask)
             from jax.sharding import PartitionSpec as P
 
-            return jax.shard_map(body, mesh=par.mesh, in_specs=(P(), P(), P(), P()), out_specs=P(),
-                                 check_vma=False)(logits, rows, spec, table)
+            return jax.shard_map(body, mesh=par.mesh, in_specs=(P(), P(), P(), P(), P()), out_specs=P(),
+                                 check_vma=False)(logits, rows, spec, table, bitmask)
 
-        def spec_body(logits, rows, spec, table, *, use_table: bool):
+        def spec_body(logits, rows, spec, table, bitmask, *, use_table: bool):
             from ..spec.accept import accepted_lengths
             from .spec_positions import verify_sampler_inputs
 
@@ -360,7 +368,8 @@ class Runner:
             drafts, supp = spec[:, :k], spec[:, k:] != 0
             num_drafts = jnp.where(col["decode"] != 0, col["ndraft"], 0)
             vin = verify_sampler_inputs(inp, drafts, num_drafts, supp, use_table=use_table)
-            out = sample(logits, vin, max_logprobs)
+            # a constrained row carries no drafts: its mask holds at its first position
+            out = sample(logits, vin, max_logprobs, bitmask=jnp.repeat(bitmask, n, axis=0))
             Rn = rows.shape[0]
             out = jax.tree.map(lambda a: a.reshape((Rn, n) + a.shape[1:]), out)
             acc = accepted_lengths(out.tokens, drafts, num_drafts)
@@ -371,7 +380,7 @@ class Runner:
             pad = lambda a: a if Rn == R else jnp.zeros(R, jnp.int32).at[:Rn].set(a)  # noqa: E731
             return (out, acc), pad(last), table, pad(acc)
 
-        def sample_fn(logits, rows, table):
+        def sample_fn(logits, rows, table, bitmask):
             """Sampling for a step's rows (``[R, _NUM_COLS]`` of its metadata): a program of its
             own, keyed by the row count only, so the token buckets do not each compile it.
 
@@ -382,11 +391,11 @@ class Runner:
             top-k (jax 0.10.2 fails a check in its TopkDecomposer on a partitioned top-k
             under the sampler's optimization barrier)."""
             if par is None:
-                return sample_body(logits, rows, table)
+                return sample_body(logits, rows, table, bitmask)
             from jax.sharding import PartitionSpec as P
 
-            return jax.shard_map(sample_body, mesh=par.mesh, in_specs=(P(), P(), P()), out_specs=P(),
-                                 check_vma=False)(logits, rows, table)
+            return jax.shard_map(sample_body, mesh=par.mesh, in_specs=(P(), P(), P(), P()), out_specs=P(),
+                                 check_vma=False)(logits, rows, table, bitmask)
 
         self._step_fn = fn
 
@@ -541,12 +550,12 @@ class Runner:
                 elif req.spec_fold:
                     raise RuntimeError(f"{req.rid}: accepted drafts left unfolded before a prefill row")
             trow = self._table_row.get(req.rid)
-            if trow is None and (sup or uses_penalties(p)):
+            if trow is None and (sup or uses_penalties(p) or p.logit_bias or p.token_ids_logprob):
                 trow = self._init_row(req)
             if trow is not None:  # once a request has a row, every token it samples is counted
                 col["trow"][ri] = trow
                 col["flags"][ri] = ((_SUPPRESS if sup else 0) | (_RECORD if getattr(r, "samples", True) else 0)
-                                    | (_SUPP_IDS if supp_ids else 0))
+                                    | (_SUPP_IDS if supp_ids else 0) | (_BIAS if p.logit_bias else 0))
             if getattr(r, "device_drafts", False):
                 if col["from_prev"][ri] < 0:
                     raise RuntimeError(f"{req.rid}: device drafts on a row that does not follow the previous step")
@@ -564,17 +573,23 @@ class Runner:
         fl[index] = f.T
         col["top_k"][index], col["seed"][index] = k_, s_.view(np.int32)
         use_table = bool(spec and (col["trow"] > 0).any())
-        step, out, tokens = self.dispatch("step", Tg, meta, prev.step if prev is not None else -1, use_table, spec)
+        bitmask = self._grammar_bitmask(rows, index, lay.R)
+        step, out, tokens = self.dispatch("step", Tg, meta, prev.step if prev is not None else -1, use_table, spec,
+                                          bitmask)
         self.launch_s += time.perf_counter() - t
         return InFlight(step, list(rows), out, tokens, index, self)
 
-    def _run_step(self, T: int, meta: np.ndarray, prev_step: int, use_table: bool = False, spec: bool = False):
+    def _run_step(self, T: int, meta: np.ndarray, prev_step: int, use_table: bool = False, spec: bool = False,
+                  bitmask: np.ndarray | None = None):
         """Launch the step program of bucket ``T`` on packed metadata ``meta`` and its sampling
         (the dispatched operation "step"); ``prev_step``: the step whose sampled tokens feed
         this one's ``from_prev`` rows (-1: none); ``spec``: the speculative program (with the
         journal); ``use_table`` (speculative steps): some row reads the token table, so each
-        verify position gets its own table row. Returns (step number, outputs, tokens)."""
+        verify position gets its own table row; ``bitmask``: ``int32[rows, ceil(V / 32)]``, the
+        ids each row may sample (grammars; None: all). Returns (step number, outputs, tokens)."""
         self.buckets_used.add(T)
+        R = self.layout(T).R
+        bm = self.bitmask_arg(R) if bitmask is None else jax.device_put(bitmask, self._bitmask_where)
         if prev_step < 0:
             prev_tokens, prev_acc, prev_block = self._zero_prev, None, None
         elif prev_step in self._step_tokens:
@@ -588,8 +603,7 @@ class Runner:
             logits, self.cache_mgr.device_cache, rows_dev, drafts, self.journal, tok_dev, *taps = fn(
                 self.model.params, self.cache_mgr.device_cache, meta_dev, prev_tokens, self.journal,
                 self._zero_prev if prev_acc is None else prev_acc, self._zero_block if prev_block is None else prev_block)
-            out, tokens, self.table, acc = self._spec_sampler(self.layout(T).R, use_table)(logits, rows_dev, drafts,
-                                                                                           self.table)
+            out, tokens, self.table, acc = self._spec_sampler(R, use_table)(logits, rows_dev, drafts, self.table, bm)
             if self.draft is not None:  # the next blocks, proposed after this step's tokens
                 block, self.cache_mgr.device_cache = self._draft_jit(T)(
                     self._draft_params, self.model.params, self.cache_mgr.device_cache, meta_dev, tok_dev, rows_dev,
@@ -599,7 +613,7 @@ class Runner:
             logits, self.cache_mgr.device_cache, rows_dev = fn(
                 self.model.params, self.cache_mgr.device_cache, jax.device_put(meta, self._meta_sharding),
                 prev_tokens)
-            out, tokens, self.table = self._sampler(self.layout(T).R)(logits, rows_dev, self.table)
+            out, tokens, self.table = self._sampler(R)(logits, rows_dev, self.table, bm)
         self.num_steps += 1
         self.spec_steps += bool(spec)
         # what the next step's rows that follow this one's read: the last emitted tokens and,
@@ -607,6 +621,37 @@ class Runner:
         self._step_tokens[self.num_steps] = (tokens, acc, block)
         self._step_tokens.pop(self.num_steps - 2, None)
         return self.num_steps, out, tokens
+
+    def _grammar_bitmask(self, rows, index, R: int) -> np.ndarray | None:
+        """The step's bitmask when some row samples under a grammar (``server/structured``):
+        each such row's allowed ids from its matcher, every other row all ones; None when no
+        row has a grammar (the step then uses :meth:`bitmask_arg`'s resident array). A
+        grammar's matcher must have seen every token of its request, so those requests are
+        never planned while their last token is in flight (the engine steps synchronously)."""
+        bitmask = None
+        for i, r in enumerate(rows):
+            g = getattr(r.req, "grammar", None)
+            if g is None or not getattr(r, "samples", True):
+                continue
+            if r.req.pending or getattr(r, "drafts", ()):
+                raise RuntimeError(f"{r.req.rid}: a grammar row planned with tokens in flight or drafts")
+            if bitmask is None:
+                bitmask = np.full((R, self.bitmask_words), -1, np.int32)
+            g.fill(bitmask, int(index[i]))
+        return bitmask
+
+    def bitmask_arg(self, R: int):
+        """The bitmask of a step of ``R`` rows none of which has a grammar: every id allowed (kept
+        on the device; an abstract engine's is a ``ShapeDtypeStruct``)."""
+        got = self._all_allowed.get(R)
+        if got is None:
+            shape = (R, self.bitmask_words)
+            if self.abstract:
+                got = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._bitmask_where)
+            else:
+                got = jax.device_put(np.full(shape, -1, np.int32), self._bitmask_where)
+            self._all_allowed[R] = got
+        return got
 
     def _write_table_row(self, i: int, row: np.ndarray) -> None:
         """Token table row ``i`` := ``row`` (the dispatched operation "table_row")."""
@@ -665,7 +710,9 @@ class Runner:
         if not self._table_free:
             raise RuntimeError("token table full (more running requests than request slots)")
         i = self._table_free.pop()
-        row = token_table_row(req.prompt, req.output, self._suppress_ids(req.params), self.vocab_size)
+        p = req.params
+        row = token_table_row(req.prompt, req.output, self._suppress_ids(p), self.vocab_size, p.logit_bias,
+                              p.token_ids_logprob)
         self.dispatch("table_row", i, row)
         self._table_row[req.rid] = i
         self.table_inits += 1
@@ -693,7 +740,9 @@ class Runner:
             req = requests[rid]
             if req.pending:
                 continue
-            want = token_table_row(req.prompt, req.output, self._suppress_ids(req.params), self.vocab_size)
+            p = req.params
+            want = token_table_row(req.prompt, req.output, self._suppress_ids(p), self.vocab_size, p.logit_bias,
+                                   p.token_ids_logprob)
             bad = np.flatnonzero(got[i] != want)
             assert not bad.size, f"{rid}: token table row {i} differs at ids {bad[:8].tolist()}"
 
@@ -719,7 +768,7 @@ class Runner:
         return per * len(buckets) + samplers + drafts + self.warm_fixed
 
     def warm_table_row(self) -> None:
-        """Compile the token-table row write (one program: the row is always ``[V]``) by
+        """Compile the token-table row write (one program: the row is always ``[V + EXTRA_COLS]``) by
         writing row 0 (the rows that use no table) with what it holds: zeros."""
         self._write_table_row(0, token_table_row([], [], [], self.vocab_size))
 
@@ -770,17 +819,18 @@ class Runner:
                 if sp:
                     for u in (False, True):
                         if (R, u) not in self._compiled_sample and (R, u) not in sfutures:
-                            def spec_sampler(step=futures[(T, sp)], u=u):
+                            def spec_sampler(step=futures[(T, sp)], u=u, R=R):
                                 logits, _, rows, spec = step.result().out_info[:4]
-                                return self._sample_spec_jit[u].lower(logits, rows, spec, self.table).compile()
+                                return self._sample_spec_jit[u].lower(logits, rows, spec, self.table,
+                                                                      self.bitmask_arg(R)).compile()
 
                             sfutures[(R, u)] = ex.submit(spec_sampler)
                 elif R not in self._compiled_sample and R not in sfutures:
                     # lowered against the compiled step's outputs (logits, rows): their shapes
                     # and the shardings XLA chose; the step's compile was submitted first
-                    def sampler(step=futures[(T, sp)]):
+                    def sampler(step=futures[(T, sp)], R=R):
                         logits, _, rows = step.result().out_info
-                        return self._sample_jit.lower(logits, rows, self.table).compile()
+                        return self._sample_jit.lower(logits, rows, self.table, self.bitmask_arg(R)).compile()
 
                     sfutures[R] = ex.submit(sampler)
             for key, fut in futures.items():
@@ -797,7 +847,9 @@ class Runner:
                 logits, self.cache_mgr.device_cache, rows, spec, self.journal, tok, *taps = self._compiled[(T, sp)](
                     self.model.params, self.cache_mgr.device_cache, meta, prev, journal, pacc, pblock)
                 for u in (False, True):
-                    out, last, self.table, _ = self._spec_sampler(self.layout(T).R, u)(logits, rows, spec, self.table)
+                    R = self.layout(T).R
+                    out, last, self.table, _ = self._spec_sampler(R, u)(logits, rows, spec, self.table,
+                                                                        self.bitmask_arg(R))
                 if self.draft is not None:  # compiled here, on its first call
                     block, self.cache_mgr.device_cache = self._draft_jit(T)(
                         self._draft_params, self.model.params, self.cache_mgr.device_cache, meta, tok, rows, taps[0],
@@ -807,6 +859,7 @@ class Runner:
                 continue
             logits, self.cache_mgr.device_cache, rows = self._compiled[(T, sp)](
                 self.model.params, self.cache_mgr.device_cache, *self._padding_args(T, sp))
-            out, _, self.table = self._sampler(self.layout(T).R)(logits, rows, self.table)
+            R = self.layout(T).R
+            out, _, self.table = self._sampler(R)(logits, rows, self.table, self.bitmask_arg(R))
             jax.block_until_ready(out)
         return self.num_compiles - before

@@ -39,6 +39,17 @@ Why it looks like this:
   argmax (``lax.cond`` on batch-wide flags, arranged so a row's result never depends on
   which branch ran).
 
+* **Logit bias, id log-probs, grammars.** A request's ``logit_bias`` (up to
+  ``MAX_LOGIT_BIAS`` ids) and ``token_ids_logprob`` (up to ``MAX_TOKEN_IDS_LOGPROB`` ids) live
+  in ``EXTRA_COLS`` columns after the ``V`` counts of its token-table row (bias ids, bias
+  values as f32 bits, logprob ids), written with the row; the bias is added after the
+  penalties (and so before greedy's argmax), and each row's listed ids' log-probs come back
+  every step (``SampleOutput.id_logprobs``). Constrained rows (``server/structured``) come with
+  a packed bitmask ``int32[B, ceil(V / 32)]`` (bit ``i % 32`` of word ``i // 32``: id ``i``
+  allowed); forbidden ids get ``-inf`` after the bias and suppression. One bitmask input for
+  every row (unconstrained rows all ones) keeps one sampling program; a batch whose bitmask
+  allows everything skips it (``lax.cond``).
+
 * **Logprobs are the model's.** Reported log-probs (of the chosen token and of the top-n
   alternatives) are ``log_softmax`` of the *raw* logits, before penalties, suppression,
   temperature and filters. They then describe the model rather than this request's
@@ -59,7 +70,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from .sampling_params import GREEDY_TEMPERATURE, MAX_LOGIT_BIAS, MAX_TOKEN_IDS_LOGPROB, SamplingParams
 
 _PRNG_IMPL = "threefry2x32"  # fixed, so draws do not change with jax's default PRNG config
 
@@ -72,6 +83,15 @@ _PRNG_IMPL = "threefry2x32"  # fixed, so draws do not change with jax's default 
 COUNT_MASK = (1 << 29) - 1
 PROMPT_BIT = 1 << 29
 SUPPRESS_BIT = 1 << 30
+# after the V counts: MAX_LOGIT_BIAS biased ids (V = none), their biases (f32 bits), then
+# MAX_TOKEN_IDS_LOGPROB ids whose log-probs every step reports
+BIAS_IDS, BIAS_VALUES, LOGPROB_IDS = 0, MAX_LOGIT_BIAS, 2 * MAX_LOGIT_BIAS
+EXTRA_COLS = 2 * MAX_LOGIT_BIAS + MAX_TOKEN_IDS_LOGPROB
+
+
+def table_width(vocab_size: int) -> int:
+    """Columns of a token-table row: the counts of ``vocab_size`` ids, then ``EXTRA_COLS``."""
+    return vocab_size + EXTRA_COLS
 
 
 @jax.tree_util.register_dataclass
@@ -97,7 +117,8 @@ class SamplerInputs:
     step: jax.Array  # i32[B]
     suppress: jax.Array  # bool[B]
     table_rows: jax.Array  # i32[B]
-    table: jax.Array  # i32[R, V]
+    table: jax.Array  # i32[R, V + EXTRA_COLS]
+    bias: jax.Array  # bool[B]: the row's table row carries a logit bias
 
 
 @jax.tree_util.register_dataclass
@@ -107,6 +128,7 @@ class SampleOutput:
     logprob: jax.Array  # f32[B]      log_softmax(raw logits)[token]
     top_ids: jax.Array  # i32[B, n]   n = num_logprobs, most likely first
     top_logprobs: jax.Array  # f32[B, n]
+    id_logprobs: jax.Array  # f32[B, MAX_TOKEN_IDS_LOGPROB]  log_softmax(raw)[the row's token_ids_logprob]
 
 
 # --------------------------------------------------------------------------- host side
@@ -123,9 +145,11 @@ def uses_penalties(p: SamplingParams) -> bool:
 
 
 def token_table_row(prompt: Sequence[int], output: Sequence[int], suppress: Sequence[int],
-                    vocab_size: int) -> np.ndarray:
-    """A request's token-table row (``i32[V]``) from its histories; ids outside ``[0, V)`` are
-    ignored. O(len(prompt) + len(output) + V): built once per (re)admission, never per step."""
+                    vocab_size: int, logit_bias: dict | None = None, logprob_ids: Sequence[int] = ()) -> np.ndarray:
+    """A request's token-table row (``i32[V + EXTRA_COLS]``) from its histories, its logit bias
+    and its ``token_ids_logprob``; ids outside ``[0, V)`` are ignored in the histories (the
+    engine validates bias and logprob ids). O(len(prompt) + len(output) + V): built once per
+    (re)admission, never per step."""
     def ids(xs):
         a = np.asarray(xs, np.int64).reshape(-1)
         return a[(a >= 0) & (a < vocab_size)]
@@ -135,7 +159,22 @@ def token_table_row(prompt: Sequence[int], output: Sequence[int], suppress: Sequ
         raise ValueError("token count overflows the token table")
     row[ids(prompt)] |= PROMPT_BIT
     row[ids(suppress)] |= SUPPRESS_BIT
-    return row
+    extra = np.zeros(EXTRA_COLS, np.int32)
+    extra[BIAS_IDS:BIAS_IDS + MAX_LOGIT_BIAS] = vocab_size  # out of range: no bias
+    if logit_bias:
+        if len(logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(logit_bias)} ids; at most {MAX_LOGIT_BIAS}")
+        ks = np.fromiter(logit_bias.keys(), np.int64, len(logit_bias))
+        if ((ks < 0) | (ks >= vocab_size)).any():
+            raise ValueError(f"logit_bias id out of range [0, {vocab_size})")
+        n = len(ks)
+        extra[BIAS_IDS:BIAS_IDS + n] = ks
+        extra[BIAS_VALUES:BIAS_VALUES + n] = np.fromiter(logit_bias.values(), np.float32, n).view(np.int32)
+    lp = np.asarray(logprob_ids, np.int64).reshape(-1)
+    if lp.size > MAX_TOKEN_IDS_LOGPROB or ((lp < 0) | (lp >= vocab_size)).any():
+        raise ValueError(f"token_ids_logprob: at most {MAX_TOKEN_IDS_LOGPROB} ids in [0, {vocab_size})")
+    extra[LOGPROB_IDS:LOGPROB_IDS + lp.size] = lp
+    return np.concatenate([row, extra])
 
 
 def row_settings(params: Sequence[SamplingParams], seeds: Sequence[int | None], B: int):
@@ -198,16 +237,19 @@ def build_sampler_inputs(
     step = np.zeros(B, np.int32)
     step[:n] = np.asarray(steps, np.int64)
     sup = np.zeros(B, bool)
-    table = np.zeros((B, vocab_size), np.int32)
+    bias = np.zeros(B, bool)
+    table = np.zeros((B, table_width(vocab_size)), np.int32)
     for i in range(n):
-        table[i] = token_table_row(prompts[i], outputs[i], suppress[i], vocab_size)
+        table[i] = token_table_row(prompts[i], outputs[i], suppress[i], vocab_size, params[i].logit_bias,
+                                   params[i].token_ids_logprob)
         sup[i] = len(suppress[i]) > 0
+        bias[i] = bool(params[i].logit_bias)
     return SamplerInputs(
         temperature=jnp.asarray(f[0]), top_k=jnp.asarray(top_k), top_p=jnp.asarray(f[1]),
         min_p=jnp.asarray(f[2]), repetition_penalty=jnp.asarray(f[3]),
         frequency_penalty=jnp.asarray(f[4]), presence_penalty=jnp.asarray(f[5]),
         seed=jnp.asarray(seed), step=jnp.asarray(step), suppress=jnp.asarray(sup),
-        table_rows=jnp.arange(B, dtype=jnp.int32), table=jnp.asarray(table),
+        table_rows=jnp.arange(B, dtype=jnp.int32), table=jnp.asarray(table), bias=jnp.asarray(bias),
     )
 
 
@@ -215,14 +257,17 @@ def build_sampler_inputs(
 
 
 def apply_penalties(logits: jax.Array, inp: SamplerInputs) -> jax.Array:
-    """Repetition, frequency and presence penalties, then suppression (``f32[B, V]``).
+    """Repetition, frequency and presence penalties, the logit bias, then suppression
+    (``f32[B, V]``).
 
     This is exactly what greedy rows take the argmax of; exposed for tests and debugging.
     A row with neutral settings and no suppression comes out bit-identical to its input, so
     :func:`sample` may skip this for a batch where no row uses it.
     """
     logits = logits.astype(jnp.float32)
-    rows = inp.table[inp.table_rows]  # [B, V]
+    B, V = logits.shape
+    full = inp.table[inp.table_rows]  # [B, V + EXTRA_COLS]
+    rows, extra = full[:, :V], full[:, V:]
     counts = rows & COUNT_MASK
     in_output = counts > 0
     seen = ((rows & PROMPT_BIT) != 0) | in_output
@@ -230,14 +275,18 @@ def apply_penalties(logits: jax.Array, inp: SamplerInputs) -> jax.Array:
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
     logits = logits - (inp.frequency_penalty[:, None] * counts.astype(jnp.float32)
                        + inp.presence_penalty[:, None] * in_output.astype(jnp.float32))
+    bias_ids = jnp.where(inp.bias[:, None], extra[:, BIAS_IDS:BIAS_IDS + MAX_LOGIT_BIAS], V)  # V: dropped
+    bias = jax.lax.bitcast_convert_type(extra[:, BIAS_VALUES:BIAS_VALUES + MAX_LOGIT_BIAS], jnp.float32)
+    logits = logits.at[jnp.arange(B)[:, None], bias_ids].add(bias, mode="drop")
     suppressed = inp.suppress[:, None] & ((rows & SUPPRESS_BIT) != 0)
     return jnp.where(suppressed, -jnp.inf, logits)
 
 
 def uses_table(inp: SamplerInputs) -> jax.Array:
-    """Whether any row of the batch reads its token-table row (a penalty or suppression)."""
+    """Whether any row of the batch reads its token-table row (a penalty, suppression or a
+    logit bias)."""
     return jnp.any((inp.repetition_penalty != 1.0) | (inp.frequency_penalty != 0.0)
-                   | (inp.presence_penalty != 0.0) | inp.suppress)
+                   | (inp.presence_penalty != 0.0) | inp.suppress | inp.bias)
 
 
 def record_tokens(table: jax.Array, rows: jax.Array, tokens: jax.Array, mask: jax.Array) -> jax.Array:
@@ -392,9 +441,27 @@ def _sample_filtered(logits: jax.Array, inp: SamplerInputs, candidates: int | No
     return jnp.argmax(jnp.where(keep, x + gumbel, -jnp.inf), axis=1)
 
 
+def allowed_ids(bitmask: jax.Array, V: int) -> jax.Array:
+    """``bool[B, V]`` from a packed ``int32[B, ceil(V / 32)]`` bitmask (bit ``i % 32`` of word
+    ``i // 32``: id ``i`` allowed)."""
+    ids = jnp.arange(V, dtype=jnp.int32)
+    words = bitmask[:, ids // 32]
+    return ((words >> (ids % 32)[None, :]) & 1) != 0
+
+
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array | None) -> jax.Array:
+    """Forbidden ids -> ``-inf``; skipped (``lax.cond``) when the bitmask allows every id."""
+    if bitmask is None:
+        return logits
+    V = logits.shape[1]
+    return jax.lax.cond(jnp.all(bitmask == -1), lambda x: x,
+                        lambda x: jnp.where(allowed_ids(bitmask, V), x, -jnp.inf), logits)
+
+
+
 @partial(jax.jit, static_argnames=("num_logprobs", "top_candidates", "filter_path"))
 def sample(logits: jax.Array, inp: SamplerInputs, num_logprobs: int = 0, top_candidates: int | None = None,
-           filter_path: str | None = None) -> SampleOutput:
+           filter_path: str | None = None, bitmask: jax.Array | None = None) -> SampleOutput:
     """Pick one token per row of ``logits`` (``[B, V]``, any float dtype).
 
     ``num_logprobs`` (static) is the number of top alternatives to return per row; the
@@ -403,9 +470,11 @@ def sample(logits: jax.Array, inp: SamplerInputs, num_logprobs: int = 0, top_can
     top-k/top-p pre-filter before a full sort is needed; it moves the cost, not the kept sets
     (but for float rounding at a top-p threshold, see ``_keep_filtered``). ``filter_path``
     (static, tests only): "prefilter" or "full" forces that path of the top-k/top-p mask.
+    ``bitmask`` (``int32[B, ceil(V / 32)]``, or None): the ids each row may sample (grammars).
     """
     raw = logits.astype(jnp.float32)
     penalized = jax.lax.cond(uses_table(inp), apply_penalties, lambda x, _: x, raw, inp)
+    penalized = apply_bitmask(penalized, bitmask)
     greedy_tok = jnp.argmax(penalized, axis=1).astype(jnp.int32)
     greedy = inp.temperature < GREEDY_TEMPERATURE
     tokens = jax.lax.cond(
@@ -421,5 +490,8 @@ def sample(logits: jax.Array, inp: SamplerInputs, num_logprobs: int = 0, top_can
     else:
         top_lp = jnp.zeros((raw.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((raw.shape[0], 0), jnp.int32)
+    V = raw.shape[1]
+    lp_ids = inp.table[inp.table_rows, V + LOGPROB_IDS:V + LOGPROB_IDS + MAX_TOKEN_IDS_LOGPROB]
+    id_lp = jnp.take_along_axis(lp, jnp.clip(lp_ids, 0, V - 1), axis=1)
     return SampleOutput(tokens=tokens, logprob=chosen, top_ids=top_ids.astype(jnp.int32),
-                        top_logprobs=top_lp)
+                        top_logprobs=top_lp, id_logprobs=id_lp)

@@ -16,6 +16,16 @@ Conventions (vLLM / OpenAI style):
     (0 reports only the chosen token's log-prob); ``None`` reports nothing.
   * ``seed`` of ``None`` lets the engine pick one; any Python int is accepted (the sampler
     folds it to 32 bits).
+  * ``logit_bias`` maps token ids to an additive bias in [-100, 100] (OpenAI's range; at most
+    ``MAX_LOGIT_BIAS`` ids), applied after the penalties: -100 removes an id in practice, +100
+    forces it. Reported logprobs stay the model's (before the bias).
+  * ``token_ids_logprob`` lists ids (at most ``MAX_TOKEN_IDS_LOGPROB``) whose log-probs are
+    reported at every generated position, whatever was sampled.
+  * ``regex`` / ``json_schema`` / ``ebnf`` / ``structural_tag`` (at most one): the output must
+    match it (``server/structured``); a grammar that ends stops the request.
+  * ``n`` samples of one prompt (parallel sampling): the API layers (``LLM``, the gRPC
+    server) run them as ``n`` requests (:func:`sample_params`), whose shared prompt the prefix
+    cache computes once; the engine itself serves ``n == 1``.
 """
 from __future__ import annotations
 
@@ -23,6 +33,9 @@ import dataclasses
 import math
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # ids one request may bias (the sampler's token table holds them)
+LOGIT_BIAS_RANGE = 100.0
+MAX_TOKEN_IDS_LOGPROB = 32  # ids one request may ask log-probs of at every position
 PENALTY_RANGE = 2.0
 # Temperatures below this are treated as greedy (as vLLM does): dividing by a tiny
 # temperature only amplifies rounding noise, and the result is argmax anyway.
@@ -53,10 +66,17 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     min_new_tokens: int = 0
+    logit_bias: dict | None = None
+    token_ids_logprob: tuple[int, ...] = ()
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    n: int = 1
 
     def __post_init__(self):
         # integers
-        for name in ("max_new_tokens", "top_k", "min_new_tokens"):
+        for name in ("max_new_tokens", "top_k", "min_new_tokens", "n"):
             v = getattr(self, name)
             if not _is_int(v):
                 raise ValueError(f"{name} must be an int, got {v!r}")
@@ -67,6 +87,8 @@ class SamplingParams:
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be <= "
                              f"max_new_tokens ({self.max_new_tokens})")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be 0 or -1 (off) or >= 1, got {self.top_k}")
 
@@ -118,7 +140,59 @@ class SamplingParams:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
 
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias has {len(self.logit_bias)} ids; at most {MAX_LOGIT_BIAS}")
+            bias = {}
+            for t, b in self.logit_bias.items():
+                if not _is_int(t) or t < 0:
+                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
+                if not _is_real(b) or not (-LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE):
+                    raise ValueError(f"logit_bias values must be numbers in [-{LOGIT_BIAS_RANGE:g}, "
+                                     f"{LOGIT_BIAS_RANGE:g}], got {b!r} for id {t}")
+                bias[int(t)] = float(b)
+            self.logit_bias = bias or None
+        if isinstance(self.token_ids_logprob, (str, bytes)):
+            raise ValueError("token_ids_logprob must be a sequence of token ids")
+        try:
+            self.token_ids_logprob = tuple(self.token_ids_logprob)
+        except TypeError as e:
+            raise ValueError(f"token_ids_logprob must be a sequence of token ids: {e}") from None
+        if len(self.token_ids_logprob) > MAX_TOKEN_IDS_LOGPROB:
+            raise ValueError(f"token_ids_logprob has {len(self.token_ids_logprob)} ids; "
+                             f"at most {MAX_TOKEN_IDS_LOGPROB}")
+        for t in self.token_ids_logprob:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"token_ids_logprob must be non-negative ints, got {t!r}")
+        kinds = [k for k in ("regex", "json_schema", "ebnf", "structural_tag") if getattr(self, k) is not None]
+        if len(kinds) > 1:
+            raise ValueError(f"at most one constraint per request, got {kinds}")
+        if kinds:
+            from ..structured.grammar import Constraint
+
+            Constraint(kinds[0], getattr(self, kinds[0]))  # validates kind, type, size
+
+    @property
+    def constraint(self):
+        """The request's :class:`~k3serve.server.structured.grammar.Constraint`, or None."""
+        from ..structured.grammar import Constraint
+
+        for k in ("regex", "json_schema", "ebnf", "structural_tag"):
+            if getattr(self, k) is not None:
+                return Constraint(k, getattr(self, k))
+        return None
+
     @property
     def greedy(self) -> bool:
         """True when the sampler takes the argmax (temperature 0, or below 1e-5)."""
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def sample_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Sample ``i`` of a request with ``n`` samples: the same settings, ``n = 1``, and its own
+    seed stream (``seed + i`` when the request is seeded; else the engine draws one per sample)."""
+    q = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+    q.stop_token_ids = params.stop_token_ids  # as the caller holds them (the gRPC layer: a set)
+    return q

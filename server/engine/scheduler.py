@@ -143,6 +143,8 @@ class Scheduler:
         drafts + 1) stay within ``max_new_tokens`` and ``max_model_len`` (counting the in-flight
         drafts as accepted). With the row's input still on the device, a host drafter proposes
         after the in-flight drafts: its first token is the guessed input, the rest the drafts."""
+        if req.grammar is not None:  # its matcher must see each token before the next is sampled
+            return (), -1, False
         room = min(self.max_drafts, budget - 1, req.params.max_new_tokens - req.num_generated - 1)
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - req.num_tokens - 1)

@@ -43,10 +43,11 @@ def verify_sampler_inputs(inp: SamplerInputs, drafts, num_drafts, suppress, *, u
     fields = dict(temperature=rep(inp.temperature), top_k=rep(inp.top_k), top_p=rep(inp.top_p),
                   min_p=rep(inp.min_p), repetition_penalty=rep(inp.repetition_penalty),
                   frequency_penalty=rep(inp.frequency_penalty), presence_penalty=rep(inp.presence_penalty),
-                  seed=rep(inp.seed), step=rep(inp.step) + j, suppress=jnp.asarray(suppress, bool).reshape(-1))
+                  seed=rep(inp.seed), step=rep(inp.step) + j, suppress=jnp.asarray(suppress, bool).reshape(-1),
+                  bias=rep(inp.bias))
     if not use_table:
         return SamplerInputs(**fields, table_rows=rep(inp.table_rows), table=inp.table)
-    rows = rep(inp.table[inp.table_rows])  # [R*n, V]: each position starts from its request's row
+    rows = rep(inp.table[inp.table_rows])  # [R*n, V + EXTRA_COLS]: each position starts from its request's row
     drafts = jnp.asarray(drafts, jnp.int32)
     live = jnp.arange(d)[None, :] < jnp.asarray(num_drafts)[:, None]  # [R, d]
     # position j counts drafts i < j (those emitted before it, when they are accepted)

@@ -1,0 +1,1 @@
+"""Constrained decoding: xgrammar grammars compiled per schema, matched per request."""
