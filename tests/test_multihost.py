@@ -47,6 +47,11 @@ def ckpt(tmp_path_factory):
                     num_shared_experts=1, moe_intermediate_size=32, routed_expert_hidden_size=32,
                     intermediate_size=128, attn_res_block_size=2)
     generate_checkpoint(out, cfg, seed=3)
+    # a byte-level tiktoken vocabulary (ids 0..255; the rest control tokens): grammars need one
+    import base64
+
+    (out / "tiktoken.model").write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
+    (out / "tokenizer_config.json").write_text("{}")
     return out
 
 
@@ -205,8 +210,24 @@ def test_speculative_suffix_across_two_processes(ckpt, reference, tmp_path):
         assert accepted[0] < accepted[1] >= 6, accepted
         info = c.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).server_args
         assert info["speculative_algorithm"] == "suffix" and info["speculative_num_draft_tokens"] == 3
+        # issue #35 across the processes: a grammar (its bitmask travels with the step to the
+        # follower; the row gets no drafts), a logit bias, n = 2 (greedy: both equal one device's)
+        done = _complete(c, "mh-regex", x, max_new_tokens=12, regex="[a-c]{3}-[0-9]{2}")
+        assert len(done) == 1 and re.fullmatch("[a-c]{3}-[0-9]{2}", bytes(done[0].output_ids[:-1]).decode())
+        assert done[0].finish_reason == "stop"
+        done = _complete(c, "mh-bias", x, max_new_tokens=4, ignore_eos=True, logit_bias={"65": 100.0})
+        assert list(done[0].output_ids) == [65] * 4
+        done = _complete(c, "mh-n", x, max_new_tokens=6, ignore_eos=True, n=2)
+        assert sorted(d.index for d in done) == [0, 1] and all(list(d.output_ids) == want[:6] for d in done)
     finally:
         c.close()
+
+
+def _complete(c: Cluster, rid: str, ids, **sp) -> list:
+    """Every ``GenerateComplete`` of one request (``n`` of them for ``n`` samples)."""
+    req = pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=list(ids)), stream=False,
+                             sampling_params=pb.SamplingParams(**sp))
+    return [r.complete for r in c.stub.Generate(req, timeout=120) if r.HasField("complete")]
 
 
 def test_dp2_dcp4_dspark_late_follower_tokens_then_follower_killed(ckpt, draft, reference, tmp_path):

@@ -135,6 +135,14 @@ def test_constrained_and_free_rows_share_steps_without_new_programs(llm):
     assert mixed[0].token_ids == alone and mixed[3].token_ids == alone
     assert re.fullmatch("[a-z]{5,30}", _text(llm, mixed[1]))
     assert llm.engine.num_compiles == before
+    # every sampling program warm-up compiled takes the bitmask (int32[rows, ceil(V / 32)]): the
+    # same programs `k3serve compile` lowers for tpu7x (tests/test_compile_cli.py)
+    import jax
+
+    V = llm.engine.model.config.vocab_size
+    for R, exe in llm.engine.runner._compiled_sample.items():
+        args = [(tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(exe.args_info)]
+        assert ((R, -(-V // 32)), "int32") in args, (R, args)
 
 
 def test_bad_grammars_are_refused_and_change_nothing(llm):
@@ -195,3 +203,41 @@ def test_speculation_leaves_constrained_rows_undrafted(tmp_path_factory):
     assert outs[0].spec_draft_tokens == 0 and outs[1].spec_draft_tokens > 0
     assert outs[1].token_ids == [1234] * 24
     assert_all_free(llm.engine)
+
+
+@pytest.mark.parametrize("kind", ["tiktoken", "sentencepiece"])
+def test_grammars_walk_each_vocabulary(kind, tmp_path):
+    """The K3 release's format (tiktoken BPE: multi-byte merges, UTF-8 split across tokens,
+    control tokens after the ranks; Kimi Linear ships the same format) and the demo's
+    sentencepiece: a JSON text and a tool-call section, tokenized as the model would emit them,
+    are accepted token by token, each token is in the bitmask the matcher gave before it, and
+    the stop id ends the grammar."""
+    import numpy as np
+
+    from test_tokenizer import TINY_MERGES, _write_tiny_tiktoken
+
+    from k3serve.server.structured.grammar import Constraint, GrammarCompiler
+    from k3serve.server.text.demo_tokenizer import write_demo_tokenizer
+    from k3serve.server.text.tokenizer import load_tokenizer
+
+    if kind == "tiktoken":
+        n = _write_tiny_tiktoken(tmp_path, TINY_MERGES)
+        tok, V, eos = load_tokenizer(tmp_path), n + 256, n + 2
+    else:
+        write_demo_tokenizer(tmp_path)
+        tok = load_tokenizer(tmp_path)
+        V, eos = tok.vocab_size, tok.eos_token_id
+    comp = GrammarCompiler.from_tokenizer(tok, V, [eos])
+    schema = {"type": "object", "properties": {"greeting": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["greeting", "n"]}
+    cases = [(Constraint("json_schema", json.dumps(schema)), '{"greeting": "hello world 你好 🎉", "n": 42}', False),
+             (Constraint("regex", r"<\|open\|>call [a-z]+<\|close\|>"), "<|open|>call hello<|close|>", True)]
+    for c, text, special in cases:
+        m = comp.matcher(c, [eos])
+        ids = tok.encode(text, allow_special=special) + [eos]
+        mask = np.zeros((1, -(-V // 32)), np.int32)
+        for t in ids:
+            m.fill(mask, 0)
+            assert (mask[0, t // 32] >> (t % 32)) & 1, (kind, c.kind, t, tok.id_to_token(t))
+            assert m.accept(t), (kind, c.kind, t)
+        assert m.terminated

@@ -105,15 +105,21 @@ class PrefixIndex:
             return 0, [], None
         key = hashes[best]
         self._snaps.move_to_end(key)
-        per_page = self.page_size // self.unit
-        pages = [self._entries[hashes[i]][1] for i in range(0, best + 1, per_page)]
-        return best + 1, pages, self._entries[key][3]
+        return best + 1, self._pages(hashes, best + 1), self._entries[key][3]
 
     def match(self, hashes: Sequence[bytes]) -> tuple[int, list[int]]:
         """(units matched, the pages holding them in order), snapshots or not."""
         n = self.match_len(hashes)
+        return n, self._pages(hashes, n)
+
+    def _pages(self, hashes: Sequence[bytes], n: int) -> list[int]:
+        """The pages holding the first ``n`` units of a chain: of each page's units, the page of
+        the deepest one. A page holds every row of its chain up to its unit (the request that
+        wrote it computed them or copied them in: a hit's partly filled page is copied), so the
+        deepest unit's page serves the shallower ones too, while a shallower unit's page may
+        belong to another branch that diverges inside the page."""
         per_page = self.page_size // self.unit
-        return n, [self._entries[hashes[i]][1] for i in range(0, n, per_page)]
+        return [self._entries[hashes[min(i + per_page, n) - 1]][1] for i in range(0, n, per_page)]
 
     def register(self, hashes: Sequence[bytes], pages: Sequence[int], snapshot: int | None = None) -> int:
         """Register the units of a computed prefix (``pages`` = the request's pages in order,
@@ -122,9 +128,8 @@ class PrefixIndex:
 
         Returns the number of units now registered along ``hashes`` with their snapshot in
         place, i.e. ``len(hashes)`` on success. Fails (returns less, takes nothing new and
-        leaves ``snapshot`` with the caller) when the units of a page would name two physical
-        pages (the request wrote after a copy-on-write), when the last unit already has a
-        snapshot, or when the byte budget cannot make room. Without a snapshot nothing is
+        leaves ``snapshot`` with the caller) when the last unit already has a snapshot, or when
+        the byte budget cannot make room. Without a snapshot nothing is
         kept (units past the last snapshot are useless)."""
         if snapshot is None or not hashes:
             return 0
@@ -135,9 +140,10 @@ class PrefixIndex:
         while True:
             # making room may trim units of this chain that only another branch's snapshot
             # needed, so the units and pages to add are worked out again after each eviction
+            # units of a page already present on another physical page (another branch wrote them,
+            # or this request copied that page in on a hit) are fine: a page group's page is its
+            # deepest unit's (``_pages``), and this request's page holds all of its rows
             have = self.match_len(hashes)
-            if have < len(hashes) and have % per_page and self._entries[hashes[have - 1]][1] != pages[have // per_page]:
-                return 0  # same-page rule: this request's rows of that page are in another copy (copy-on-write)
             new_pages = {pages[i // per_page] for i in range(have, len(hashes))} - self._page_units.keys()
             need = len(new_pages) * self.bytes_per_page + self.bytes_per_snapshot
             if self.max_bytes is None or self.bytes_held + need <= self.max_bytes:
@@ -179,13 +185,15 @@ class PrefixIndex:
         return False
 
     def chain_pages(self, key: bytes) -> list[int]:
-        """The pages holding the prefix that ends with unit ``key``, in order."""
+        """The pages holding the prefix that ends with unit ``key``, in order (of each page's
+        units, the deepest one's page: ``_pages``)."""
         per_page = self.page_size // self.unit
         pages: list[int] = []
-        k = key
+        k, group = key, None
         while k is not None:
             parent, page, depth, _ = self._entries[k]
-            if depth % per_page == 0:
+            if depth // per_page != group:  # walking up: the first unit seen of a page is its deepest
+                group = depth // per_page
                 pages.append(page)
             k = parent
         return pages[::-1]
