@@ -241,3 +241,32 @@ def test_grammars_walk_each_vocabulary(kind, tmp_path):
             assert (mask[0, t // 32] >> (t % 32)) & 1, (kind, c.kind, t, tok.id_to_token(t))
             assert m.accept(t), (kind, c.kind, t)
         assert m.terminated
+
+
+def test_a_thinking_prompt_constrains_only_the_answer(llm):
+    """A prompt that opens the think block (K3's thinking mode) gets a gated matcher: every id
+    is allowed while the model reasons, the grammar starts after ``<|open|>response<|sep|>``
+    and ends the request at eos; a prompt without thinking is constrained from its first token."""
+    import numpy as np
+
+    from k3serve.server.text.chat import Segment, _close, _open, encode_chat, encode_segments, thinking_gate
+
+    eng, tok = llm.engine, llm.engine.tokenizer
+    V, eos = eng.model.config.vocab_size, eng.model.config.eos_token_id
+    msgs = [{"role": "user", "content": "Give me JSON."}]
+    think, plain = encode_chat(tok, msgs, thinking=True), encode_chat(tok, msgs, thinking=False)
+    assert thinking_gate(tok, think) == b"<|open|>response<|sep|>" and thinking_gate(tok, plain) is None
+    schema = json.dumps(SCHEMAS[3])
+    m = eng._matcher(_sp(json_schema=schema), think)
+    assert m.gate is not None and eng._matcher(_sp(json_schema=schema), plain).gate is None
+    assert eng._matcher(_sp(structural_tag='{"format": {"type": "const_string", "value": "x"}}'), think).gate is None
+    reasoning = encode_segments(tok, [Segment('Let me think {"no": json} here', False)] + _close("think"))
+    opening = encode_segments(tok, _open("response"))
+    answer = opening + tok.encode('{"ok": true}') + [eos]
+    mask = np.zeros((1, -(-V // 32)), np.int32)
+    for i, t in enumerate(reasoning + answer):
+        m.fill(mask, 0)
+        gated = i < len(reasoning) + len(opening)  # until <|open|>response<|sep|> is spelled
+        assert (mask == -1).all() == gated, i
+        assert (mask[0, t // 32] >> (t % 32)) & 1 and m.accept(t) and not (m.terminated and t != eos), i
+    assert m.terminated

@@ -294,19 +294,24 @@ class Engine:
         except GrammarError as e:
             raise RequestError(str(e)) from None
 
-    def _matcher(self, params: SamplingParams):
+    def _matcher(self, params: SamplingParams, prompt=()):
         """A request's grammar matcher (its stop ids: the model's eos unless ``ignore_eos``, and
-        its ``stop_token_ids``), or None."""
+        its ``stop_token_ids``), or None. A prompt that opens a think block gets a gated matcher:
+        the grammar starts with the answer (``text.chat.thinking_gate``); structural tags (smg's
+        tool calls) carry their own triggers and are not gated."""
         c = params.constraint
         if c is None:
             return None
         from ..structured.grammar import Matcher
+        from ..text.chat import thinking_gate
 
         eos = self.model.config.eos_token_id
         stops = ([] if eos is None or params.ignore_eos else [int(eos)]) + list(params.stop_token_ids)
         comp = self.grammar_compiler()
+        gate = thinking_gate(self.tokenizer, prompt) if c.kind != "structural_tag" else None
         return Matcher(self._compile_grammar(c), self.model.config.vocab_size, stops,
-                       keep=comp.json_keep if c.kind == "json_schema" else None)
+                       keep=comp.json_keep if c.kind == "json_schema" else None, gate=gate,
+                       vocab=comp.vocab_bytes if gate else None)
 
     def add_request(self, prompt, params: SamplingParams | None = None, *, rid: str | None = None,
                     priority: int = 0, cache_salt: str | None = None, api_key: str | None = None) -> str:
@@ -358,7 +363,7 @@ class Engine:
         from .cache.prefix_keys import tenant_salt
 
         req = Request(prompt=list(ids), params=params, rid=rid, priority=priority, seed=seed,
-                      salt=tenant_salt(cache_salt, api_key), grammar=self._matcher(params), **fields)
+                      salt=tenant_salt(cache_salt, api_key), grammar=self._matcher(params, ids), **fields)
         self.requests[req.rid] = req
         self.scheduler.add(req)
         return req.rid

@@ -87,6 +87,7 @@ class GrammarCompiler:
     def __init__(self, vocab_bytes: list[bytes], stop_ids: list[int], *, threads: int = 2, cache_entries: int = 256):
         x = api()
         self.vocab_size = len(vocab_bytes)
+        self.vocab_bytes = list(vocab_bytes)
         self.stop_ids = [int(t) for t in stop_ids]
         # packed like a bitmask row: ids without a byte below 0x20 (what JSON may hold raw)
         raw_ok = np.zeros(bitmask_words(self.vocab_size) * 32, bool)
@@ -146,24 +147,43 @@ class GrammarCompiler:
             return comp.compile_grammar_from_strings(c.text, "root")
         return comp.compile_structural_tag(c.text)
 
-    def matcher(self, c: Constraint, stop_ids: list[int] | None = None) -> "Matcher":
+    def matcher(self, c: Constraint, stop_ids: list[int] | None = None, gate: bytes | None = None) -> "Matcher":
         """A fresh matcher for ``c`` (compiled or taken from the cache); ``stop_ids``: the ids
-        that may end this request (default: the compiler's)."""
+        that may end this request (default: the compiler's); ``gate``: see :class:`Matcher`."""
         return Matcher(self.compile(c), self.vocab_size, stop_ids,
-                       keep=self.json_keep if c.kind == "json_schema" else None)
+                       keep=self.json_keep if c.kind == "json_schema" else None,
+                       gate=gate, vocab=self.vocab_bytes if gate else None)
 
 
 class Matcher:
-    """One request's place in its grammar."""
+    """One request's place in its grammar.
 
-    def __init__(self, compiled, vocab_size: int, stop_ids: list[int] | None = None, keep: np.ndarray | None = None):
+    ``gate`` (bytes; ``vocab``: each id's bytes): the grammar starts only after the output has
+    spelled ``gate`` — a thinking request (its prompt opened a think block) thinks freely and
+    is constrained from the answer on (``server.text.chat.thinking_gate``: after
+    ``<|open|>response<|sep|>``). Until then every id is allowed and nothing ends the grammar."""
+
+    def __init__(self, compiled, vocab_size: int, stop_ids: list[int] | None = None, keep: np.ndarray | None = None,
+                 gate: bytes | None = None, vocab: list[bytes] | None = None):
         self._compiled, self.vocab_size, self._keep = compiled, vocab_size, keep
         self._stop_ids = None if stop_ids is None else [int(t) for t in stop_ids]
         self._m = api().GrammarMatcher(compiled, self._stop_ids, False, 0, None)
         self.rejected: int | None = None  # the first token the grammar did not accept
+        if gate and vocab is None:
+            raise ValueError("a gated matcher needs the vocabulary's bytes")
+        self._gate0, self._vocab = gate or None, vocab
+        self.gate, self._tail = self._gate0, b""  # the gate still to be spelled (None: the grammar runs)
 
     def accept(self, token: int) -> bool:
         """Advance over ``token``; False (and the matcher unchanged) if the grammar forbids it."""
+        if self.gate is not None:
+            t = int(token)
+            tail = self._tail + (self._vocab[t] if 0 <= t < len(self._vocab) else b"")
+            if tail.endswith(self.gate):
+                self.gate, self._tail = None, b""
+            else:
+                self._tail = tail[-len(self.gate):]
+            return True
         ok = bool(self._m.accept_token(int(token), False))
         if not ok and self.rejected is None:
             self.rejected = int(token)
@@ -171,6 +191,9 @@ class Matcher:
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """Write the ids allowed next into ``bitmask[row]`` (``int32[rows, ceil(V / 32)]``)."""
+        if self.gate is not None:
+            bitmask[row] = -1
+            return
         self._m.fill_next_token_bitmask(bitmask, int(row), False)
         if self._keep is not None:  # ids the grammar must not allow whatever it says (JSON: control bytes)
             bitmask[row] &= self._keep
@@ -178,11 +201,11 @@ class Matcher:
     @property
     def terminated(self) -> bool:
         """The grammar accepted a stop id: the request ends."""
-        return bool(self._m.is_terminated())
+        return self.gate is None and bool(self._m.is_terminated())
 
     def fork(self) -> "Matcher":
         """A new matcher for the same grammar at the start (``n > 1`` samples start together)."""
-        return Matcher(self._compiled, self.vocab_size, self._stop_ids, self._keep)
+        return Matcher(self._compiled, self.vocab_size, self._stop_ids, self._keep, self._gate0, self._vocab)
 
 
 def _short(e: Exception) -> str:

@@ -275,6 +275,20 @@ def encode_segments(tokenizer, segments: Iterable[Segment]) -> list[int]:
     return ids
 
 
+def thinking_gate(tokenizer, prompt_ids: Sequence[int]) -> bytes | None:
+    """For constrained decoding: a prompt that ends by opening the assistant's think block
+    (``thinking`` on) is answered with free reasoning, then ``<|open|>response<|sep|>`` and the
+    answer; the grammar applies to the answer, so it starts after that text (returned as bytes).
+    None for any other prompt, or a tokenizer without the K3 markers."""
+    try:
+        opening = encode_segments(tokenizer, _open("think"))
+    except (ValueError, AttributeError):
+        return None
+    if len(prompt_ids) < len(opening) or list(prompt_ids[-len(opening):]) != opening:
+        return None
+    return segments_to_text(_open("response")).encode()
+
+
 def encode_chat(
     tokenizer,
     messages: Sequence[dict],
