@@ -239,10 +239,11 @@ class _ByteVocab:
                     reason="xgrammar is not installed")
 def test_a_grammar_travels_with_the_handoff(engines):
     """The prefill leg samples the first token under the grammar, the decode side's matcher
-    takes it from the handoff and goes on: the output equals the unified engine's and matches."""
+    takes it from the handoff and goes on: the output equals the unified engine's and matches;
+    the first token's ``token_ids_logprob`` row rides on the handoff."""
     import re
 
-    params = SamplingParams(max_new_tokens=12, temperature=0, regex="[a-f]{3}-[0-9]{2}")
+    params = SamplingParams(max_new_tokens=12, temperature=0, regex="[a-f]{3}-[0-9]{2}", token_ids_logprob=(97, 48))
     try:
         for eng in engines.values():
             eng.tokenizer, eng._grammars = _ByteVocab(), None
@@ -255,6 +256,10 @@ def test_a_grammar_travels_with_the_handoff(engines):
     eos = engines["unified"].model.config.eos_token_id
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids and g.finish_reason == "stop" and g.token_ids[-1] == eos
+        # token_ids_logprob: a row per output token, the first carried by the handoff
+        assert len(g.id_logprobs) == len(g.token_ids) and [i for i, _ in g.id_logprobs[0]] == [97, 48]
+        np.testing.assert_allclose([v for r in g.id_logprobs for _, v in r], [v for r in w.id_logprobs for _, v in r],
+                                   rtol=1e-5, atol=1e-5)
         assert re.fullmatch("[a-f]{3}-[0-9]{2}", bytes(g.token_ids[:-1]).decode()), g.token_ids
     for eng in engines.values():
         assert_all_free(eng)

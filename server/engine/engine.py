@@ -399,6 +399,8 @@ class Engine:
         req.output.append(int(h.first_token))
         if req.grammar is not None:
             req.grammar.accept(int(h.first_token))
+        if req.params.token_ids_logprob and h.id_logprobs is not None:
+            req.id_logprobs.append([(int(a), float(b)) for a, b in h.id_logprobs])
         if req.params.logprobs is not None and h.logprob is not None:
             lp, top = h.logprob
             req.logprobs.append((float(lp), [(int(a), float(b)) for a, b in top[:req.params.logprobs]]))
@@ -646,7 +648,8 @@ class Engine:
 
         arrays = self.cache_mgr.export_request(req.rid, len(req.prompt))
         req.handoff = Handoff(len(req.prompt), tok, req.logprobs[0] if req.logprobs else None,
-                              req.cached_tokens or 0, arrays)
+                              req.cached_tokens or 0, arrays,
+                              id_logprobs=req.id_logprobs[0] if req.id_logprobs else None)
         self._finish(req, "length")
 
     def _check_stop(self, req: Request, tok: int) -> None:

@@ -33,3 +33,4 @@ class Handoff:
     # inputs assembled from pieces cut for it (cache/deal.py)
     arrays: tuple
     destination: object = None  # cache.deal.Destination the arrays were dealt for, or None
+    id_logprobs: list | None = None  # token_ids_logprob: the first position's [(id, logprob), ...]

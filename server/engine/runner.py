@@ -426,6 +426,11 @@ class Runner:
         self.dispatch = dispatch if dispatch is not None else LocalDispatch()
         self.dispatch.register("step", self._run_step)
         self.dispatch.register("table_row", self._write_table_row)
+        # the all-ones bitmask of every row count, made here, on this thread, in this order: under
+        # multi-host a device_put to a global sharding is a collective, which warm-up's compile
+        # threads would issue in a different order on each process (gloo: "collective mismatch")
+        for R in sorted({self.layout(T).R for T in self.token_buckets}):
+            self.bitmask_arg(R)
 
     def layout(self, T: int, spec: bool = False) -> _Layout:
         """The packed metadata of a step in bucket ``T``; ``spec``: the speculative program's

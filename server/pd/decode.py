@@ -193,7 +193,11 @@ class DecodeSide:
         if msg.HasField("first_logprob"):
             f = msg.first_logprob
             lp = (f.logprob, list(zip(f.top_ids, f.top_logprobs)))
-        return Handoff(len(ids), int(msg.first_token), lp, int(msg.cached_tokens), target.assemble(pieces), target.dest)
+        ids_lp = None
+        if msg.HasField("first_id_logprobs"):
+            ids_lp = list(zip(msg.first_id_logprobs.ids, msg.first_id_logprobs.logprobs))
+        return Handoff(len(ids), int(msg.first_token), lp, int(msg.cached_tokens), target.assemble(pieces), target.dest,
+                       id_logprobs=ids_lp)
 
     def stop(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

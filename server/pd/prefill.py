@@ -307,6 +307,9 @@ class PrefillSide:
             lp, top = h.logprob
             msg.first_logprob.CopyFrom(pb.TokenLogprob(logprob=lp, top_ids=[int(a) for a, _ in top],
                                                        top_logprobs=[float(b) for _, b in top]))
+        if h.id_logprobs is not None:
+            msg.first_id_logprobs.CopyFrom(pb.TopLogprobs(ids=[int(a) for a, _ in h.id_logprobs],
+                                                          logprobs=[float(b) for _, b in h.id_logprobs]))
         room.handoff = msg
         room.staged_at = time.monotonic()
         self.rooms.handoffs += 1
