@@ -547,15 +547,6 @@ def test_sampling_params_defaults_and_normalization():
     assert SP(frequency_penalty=-2, presence_penalty=2, top_p=1, min_p=1).top_p == 1.0
 
 
-def _pack(allowed: np.ndarray) -> np.ndarray:
-    """bool[B, V] -> xgrammar's packed int32[B, ceil(V / 32)] (bit i % 32 of word i // 32)."""
-    B, V = allowed.shape
-    bits = np.zeros((B, -(-V // 32) * 32), bool)
-    bits[:, :V] = allowed
-    w = (bits.reshape(B, -1, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(-1)
-    return w.astype(np.uint32).view(np.int32)
-
-
 def test_logit_bias_bitmask_and_id_logprobs():
     """The logit bias is added after the penalties (greedy takes its argmax: -100 removes the
     argmax, +100 forces an id), the bitmask forbids ids for its row only (sampled rows too),
@@ -574,7 +565,9 @@ def test_logit_bias_bitmask_and_id_logprobs():
     allowed[2, [5, 50, 60]] = True  # a greedy row under a grammar: its best of three
     allowed[3] = False
     allowed[3, [11, 12]] = True  # a sampled row under a grammar
-    out = sample(jnp.asarray(logits), inp, 2, bitmask=jnp.asarray(_pack(allowed)))
+    from k3serve.server.structured.grammar import pack_bitmask
+
+    out = sample(jnp.asarray(logits), inp, 2, bitmask=jnp.asarray(pack_bitmask(allowed)))
     tok = np.asarray(out.tokens)
     second = np.argsort(-logits[0])[1]
     assert tok[0] == second and tok[1] == 17

@@ -302,16 +302,16 @@ class Engine:
         c = params.constraint
         if c is None:
             return None
-        from ..structured.grammar import Matcher
+        from ..structured.grammar import GrammarError
         from ..text.chat import thinking_gate
 
         eos = self.model.config.eos_token_id
         stops = ([] if eos is None or params.ignore_eos else [int(eos)]) + list(params.stop_token_ids)
-        comp = self.grammar_compiler()
         gate = thinking_gate(self.tokenizer, prompt) if c.kind != "structural_tag" else None
-        return Matcher(self._compile_grammar(c), self.model.config.vocab_size, stops,
-                       keep=comp.json_keep if c.kind == "json_schema" else None, gate=gate,
-                       vocab=comp.vocab_bytes if gate else None)
+        try:
+            return self.grammar_compiler().matcher(c, stops, gate=gate)
+        except GrammarError as e:
+            raise RequestError(str(e)) from None
 
     def add_request(self, prompt, params: SamplingParams | None = None, *, rid: str | None = None,
                     priority: int = 0, cache_salt: str | None = None, api_key: str | None = None) -> str:

@@ -79,6 +79,16 @@ def bitmask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
+def pack_bitmask(allowed: np.ndarray) -> np.ndarray:
+    """``bool[rows, V]`` -> the packed ``int32[rows, ceil(V / 32)]`` layout (bit ``i % 32`` of
+    word ``i // 32``: id ``i`` allowed)."""
+    rows, V = allowed.shape
+    bits = np.zeros((rows, bitmask_words(V) * 32), bool)
+    bits[:, :V] = allowed
+    words = (bits.reshape(rows, -1, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(-1)
+    return words.astype(np.uint32).view(np.int32)
+
+
 class GrammarCompiler:
     """Compiles constraints for one vocabulary (``vocab_bytes[i]``: id ``i``'s bytes, ``b""``
     for control tokens and ids no token has); ``stop_ids`` are the ids that end a sequence
@@ -90,10 +100,7 @@ class GrammarCompiler:
         self.vocab_bytes = list(vocab_bytes)
         self.stop_ids = [int(t) for t in stop_ids]
         # packed like a bitmask row: ids without a byte below 0x20 (what JSON may hold raw)
-        raw_ok = np.zeros(bitmask_words(self.vocab_size) * 32, bool)
-        raw_ok[:self.vocab_size] = [not any(b < 0x20 for b in t) for t in vocab_bytes]
-        words = (raw_ok.reshape(-1, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(1)
-        self.json_keep = words.astype(np.uint32).view(np.int32)
+        self.json_keep = pack_bitmask(np.array([[not any(b < 0x20 for b in t) for t in vocab_bytes]]))[0]
         self._info = x.TokenizerInfo(list(vocab_bytes), 0, self.vocab_size, self.stop_ids, False)  # 0: RAW bytes
         self._compiler = x.GrammarCompiler(self._info, threads, False, -1, False)
         self._cache: collections.OrderedDict[str, object] = collections.OrderedDict()
