@@ -27,6 +27,13 @@ from k3serve.sharding.parallel import StepParallel
 from k3serve.sharding.recipe import Recipe
 
 PAGE = 4
+# ``one_program``: every interpreted kernel here runs inside ONE jitted program that is waited
+# for before anything else is dispatched. jax 0.10's TPU interpreter calls back into Python at
+# each kernel's device barrier and there computes ``device_id * cores`` on a jax array (a CPU
+# dispatch); a kernel run eagerly, op by op, with the next op already being dispatched from
+# this thread, deadlocked that way about one run in three on 2 cores (the CI timeout of
+# 2026-12-07: faulthandler showed the callback in ``update_clocks_for_device_barrier`` and the
+# main thread in an eager scatter, both dispatching).
 
 
 def checkpoint(root: str) -> str:
@@ -140,6 +147,12 @@ def ragged_gmm_error(recipe: str) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
+def host_rows(index, num_rows: int) -> np.ndarray:
+    """``model.step.local_rows`` on the host: the ragged ops' row index (``num_rows`` for none)
+    as a constant, where the one-device programs below need it concrete."""
+    return np.where(index < 0, num_rows, index).astype(np.int32)
+
+
 def kda_pools_error(recipe: str) -> float:
     """``StepParallel.kda_layer_on_pools`` on pools placed as the engine keeps them (dp=2,
     heads split; the conv pool's channels rank-major and split over the heads' ranks) on 2-layer pools, with a prefix hit (read slot != write slot), a fresh
@@ -152,7 +165,6 @@ def kda_pools_error(recipe: str) -> float:
 
     from k3serve.kernels import ops
     from k3serve.model.cache import conv_logical, conv_rank_major
-    from k3serve.model.step import local_rows
 
     H, d, W, L = 8, 16, 4, 2
     P = H * d
@@ -180,17 +192,22 @@ def kda_pools_error(recipe: str) -> float:
     layer = 1
     kw = dict(lower_bound=-5.0, eps=1e-5, backend="pallas-interpret")
 
-    # one device, group by group
-    st, cv, outs = jnp.asarray(state), jnp.asarray(conv), []
-    for g in range(2):
-        tk, rw, sn = slice(g * Tg, (g + 1) * Tg), slice(g * Rg, (g + 1) * Rg), slice(g * NSg, (g + 1) * NSg)
-        o, st, cv = ops.kda_layer_on_pools(
-            x["qkv"][tk], x["f"][tk], x["beta"][tk], x["gate"][tk], cw, A_log, dt_bias, o_norm, st, cv, layer,
-            local_rows(jnp.asarray(tok_row[tk]), Rg), cu[g * (Rg + 1):(g + 1) * (Rg + 1)], q_lens[rw], start[rw],
-            read[rw], write[rw], fresh[rw], local_rows(jnp.asarray(snap_row[sn]), Rg), snap_len[sn], snap_slot[sn],
-            **kw)
-        outs.append(o)
-    want_o, want_st, want_cv = np.concatenate(outs), np.asarray(st), np.asarray(cv)
+    @jax.jit  # one device, group by group; one program (see ``one_program``)
+    def one_device(st, cv, m, x):  # the inputs and row metadata traced, as in the engine's step
+        outs = []
+        for g in range(2):
+            tk, rw, sn = slice(g * Tg, (g + 1) * Tg), slice(g * Rg, (g + 1) * Rg), slice(g * NSg, (g + 1) * NSg)
+            o, st, cv = ops.kda_layer_on_pools(
+                x["qkv"][tk], x["f"][tk], x["beta"][tk], x["gate"][tk], cw, A_log, dt_bias, o_norm, st, cv, layer,
+                m["tok_row"][tk], m["cu"][g * (Rg + 1):(g + 1) * (Rg + 1)], m["q_lens"][rw], m["start"][rw],
+                m["read"][rw], m["write"][rw], m["fresh"][rw], m["snap_row"][sn], m["snap_len"][sn],
+                m["snap_slot"][sn], **kw)
+            outs.append(o)
+        return jnp.concatenate(outs), st, cv
+
+    meta = dict(tok_row=host_rows(tok_row, Rg), cu=cu, q_lens=q_lens, start=start, read=read, write=write,
+                fresh=fresh, snap_row=host_rows(snap_row, Rg), snap_len=snap_len, snap_slot=snap_slot)
+    want_o, want_st, want_cv = map(np.asarray, one_device(state, conv, meta, x))
 
     r = Recipe.parse(recipe)
     mesh = build_mesh(r, jax.devices()[:8])
@@ -227,7 +244,6 @@ def kda_spec_pools_error(recipe: str) -> float:
 
     from k3serve.kernels import ops
     from k3serve.model.cache import conv_logical, conv_rank_major
-    from k3serve.model.step import local_rows
 
     H, d, W, L, D = 8, 16, 4, 2, 3
     P = H * d
@@ -260,17 +276,25 @@ def kda_spec_pools_error(recipe: str) -> float:
     layer = 1
     kw = dict(lower_bound=-5.0, eps=1e-5, backend="pallas-interpret")
 
-    st, cv, jl, outs = jnp.asarray(state), jnp.asarray(conv), tuple(map(jnp.asarray, (jk, jeg, jdelta, jraw))), []
-    for g in range(2):
-        tk, rw = slice(g * Tg, (g + 1) * Tg), slice(g * Rg, (g + 1) * Rg)
-        o, st, cv, jl = ops.kda_layer_on_pools(
-            x["qkv"][tk], x["f"][tk], x["beta"][tk], x["gate"][tk], cw, A_log, dt_bias, o_norm, st, cv, layer,
-            local_rows(jnp.asarray(tok_row[tk]), Rg), cu[g * (Rg + 1):(g + 1) * (Rg + 1)], q_lens[rw], start[rw],
-            read[rw], write[rw], fresh[rw], local_rows(jnp.asarray(snap_row[rw]), Rg), snap_len[rw], snap_slot[rw],
-            journal=jl, decode=jnp.asarray(decode[rw]), jrow=jnp.asarray(jrow[rw]), fold_len=jnp.asarray(fold[rw]),
-            **kw)
-        outs.append(o)
-    want = [np.concatenate(outs), np.asarray(st), np.asarray(cv)] + [np.asarray(a) for a in jl]
+    @jax.jit  # one device, group by group; one program (see ``one_program``)
+    def one_device(st, cv, jl, m, x):  # the inputs and row metadata traced, as in the engine's step
+        outs = []
+        for g in range(2):
+            tk, rw = slice(g * Tg, (g + 1) * Tg), slice(g * Rg, (g + 1) * Rg)
+            o, st, cv, jl = ops.kda_layer_on_pools(
+                x["qkv"][tk], x["f"][tk], x["beta"][tk], x["gate"][tk], cw, A_log, dt_bias, o_norm, st, cv, layer,
+                m["tok_row"][tk], m["cu"][g * (Rg + 1):(g + 1) * (Rg + 1)], m["q_lens"][rw], m["start"][rw],
+                m["read"][rw], m["write"][rw], m["fresh"][rw], m["snap_row"][rw], m["snap_len"][rw],
+                m["snap_slot"][rw], journal=jl, decode=m["decode"][rw], jrow=m["jrow"][rw], fold_len=m["fold"][rw],
+                **kw)
+            outs.append(o)
+        return jnp.concatenate(outs), st, cv, jl
+
+    meta = dict(tok_row=host_rows(tok_row, Rg), cu=cu, q_lens=q_lens, start=start, read=read, write=write,
+                fresh=fresh, snap_row=host_rows(snap_row, Rg), snap_len=snap_len, snap_slot=snap_slot,
+                decode=decode, jrow=jrow, fold=fold)
+    o1, st1, cv1, jl1 = one_device(state, conv, (jk, jeg, jdelta, jraw), meta, x)
+    want = [np.asarray(o1), np.asarray(st1), np.asarray(cv1)] + [np.asarray(a) for a in jl1]
 
     r = Recipe.parse(recipe)
     mesh = build_mesh(r, jax.devices()[:8])
