@@ -95,3 +95,27 @@ def test_serve_generate_metrics_and_sigterm(text_ckpt, tmp_path, cache_home):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_multi_host_pd_role_is_refused_by_every_process_before_loading(role, tmp_path):
+    """Issue #36: a P/D role on a multi-host engine (not supported yet) is refused by every
+    process from its flags alone, exit 2 within seconds: no process joins the cluster, loads
+    or waits for another, whatever order they start in (a leader that refused after loading
+    used to leave its follower running)."""
+    port, missing = free_port(), tmp_path / "never-read"  # a model path that does not exist: never opened
+    procs = [subprocess.Popen([sys.executable, "-m", "k3serve.server.cli", "serve", "--role", role, "--model",
+                               str(missing), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                               "--process-id", str(i), "--port", "0", "--metrics-port", "-1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (1, 0)]
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 2, (out, err)
+            assert f"cannot serve as {role}" in err and "multi-host" in err, err
+            assert "process " not in out and "loading" not in out, out  # never joined, never loaded
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -30,6 +30,9 @@ def serve(args) -> int:
     import threading
 
     enable_compile_cache()
+    refused = refuse_before_loading(args)
+    if refused is not None:
+        return refused
     pd_secret = _pd_secret(args)  # before anything is loaded: an open bootstrap service off loopback is refused
     if isinstance(pd_secret, int):
         return pd_secret
@@ -114,8 +117,11 @@ def serve(args) -> int:
         except (OSError, ValueError) as e:
             print(f"k3serve: cannot serve as {args.role}: {e}", file=sys.stderr, flush=True)
             server.server.stop(0)
-            loop.stop()
             metrics.close()
+            if cluster is not None:  # the followers see the channel close and exit 1 too
+                sys.stdout.flush()
+                os._exit(1)
+            loop.stop()
             return 1
     if not stop.is_set():
         server.set_ready(loop)
@@ -131,6 +137,22 @@ def serve(args) -> int:
 
         return stop_followers(box["dispatch"], code)
     return code
+
+
+def refuse_before_loading(args) -> int | None:
+    """Exit status 2 (with the reason on stderr) for a deployment this build cannot serve,
+    decided from the flags alone: every process of a multi-host deployment runs the same check
+    on the same flags first thing, so each one exits by itself, before joining the cluster or
+    reading a byte of the model — not after minutes of loading, and without a leader that has
+    to tell its followers."""
+    role = getattr(args, "role", "unified")
+    multi = (getattr(args, "num_processes", None) or 1) > 1 or getattr(args, "distributed", None) == "auto"
+    if role != "unified" and multi:
+        print(f"k3serve: cannot serve as {role}: a P/D role needs a one-process engine for now (a --recipe over "
+              "this process's devices); a multi-host prefill or decode is not supported yet", file=sys.stderr,
+              flush=True)
+        return 2
+    return None
 
 
 def _pd_secret(args):
