@@ -50,6 +50,12 @@ class Destination:
     head_starts: tuple[int, ...]  # one state piece per entry: heads [start, start + head_count)
     page_lists: tuple[tuple[int, ...], ...]  # one rows piece per DCP rank: prompt page numbers, -1 = padding
     first_page: int = 0  # the decode holds the prompt's pages before this one already (its prefix cache)
+    # a multi-process decode: per piece, how many of its processes pull it (each its own copy,
+    # staged once per pull: a staged array is pulled once); empty: one pull of each
+    pulls: tuple[int, ...] = ()
+
+    def num_pulls(self, i: int) -> int:
+        return self.pulls[i] if self.pulls else 1
 
     @property
     def pages_per_block(self) -> int:
@@ -101,6 +107,53 @@ def cut_pieces(arrays, dest: Destination, devices) -> list:
         idx = np.asarray([k if k >= 0 else P_ for k in pages], np.int32)  # past the end: zeros
         out.append(jax.device_put(_pages(rows, jnp.asarray(idx)), devices[r % n]))
     return out
+
+
+def piece_devices(dest: Destination, devices) -> list:
+    """The prefill device each of ``dest``'s pieces is cut onto and staged from, in piece
+    order (:func:`cut_pieces`' rule: piece r of each kind on ``devices[r % len(devices)]``).
+    Devices of several processes are taken in turn (each process's first device, then each
+    one's second, ...), so that every prefill process sends a share of each handoff."""
+    if len({d.process_index for d in devices}) > 1:
+        seen: dict = {}
+        turn = [seen.setdefault(d.process_index, [0]) for d in devices]
+        rank = []
+        for t in turn:
+            rank.append(t[0])
+            t[0] += 1
+        devices = [d for _, _, d in sorted(zip(rank, [d.process_index for d in devices], devices),
+                                           key=lambda x: x[:2])]
+    n = len(devices)
+    return ([devices[0]] + [devices[r % n] for r in range(len(dest.head_starts))]
+            + [devices[r % n] for r in dest.sent_ranks])
+
+
+def cut_local_pieces(arrays, dest: Destination, devices) -> dict:
+    """A multi-process prefill's side: ``{piece index: piece}`` for the pieces whose device
+    (:func:`piece_devices`) is this process's, cut from this process's whole copy of the
+    export (``CacheManager.export_request`` replicates it on every device under multi-host)."""
+    state, conv, rows = (a.addressable_shards[0].data for a in arrays)  # whole: the export is replicated
+    out = {}
+    P_ = rows.shape[1]
+    for i, dev in enumerate(piece_devices(dest, devices)):
+        if dev.process_index != jax.process_index():
+            continue
+        if i == 0:
+            out[i] = jax.device_put(conv, dev)
+        elif i <= len(dest.head_starts):
+            out[i] = jax.device_put(_heads(state, jnp.int32(dest.head_starts[i - 1]), dest.head_count), dev)
+        else:
+            pages = dest.page_lists[dest.sent_ranks[i - 1 - len(dest.head_starts)]]
+            idx = np.asarray([k if k >= 0 else P_ for k in pages], np.int32)
+            out[i] = jax.device_put(_pages(rows, jnp.asarray(idx)), dev)
+    return out
+
+
+def pull_uuid(uuid: int, piece: int, reader: int) -> int:
+    """The transfer id of the ``reader``-th pull of ``piece`` of handoff ``uuid`` (a staged
+    array is pulled once, so a piece that several decode processes need is staged once per
+    process, each under its own id)."""
+    return (uuid + 1 + piece * 1024 + reader) % (1 << 63)
 
 
 PROGRAMS = Programs()  # the cut programs' traces, in this process
@@ -186,18 +239,43 @@ class HandoffTarget:
             return 1 + len(self.dest.head_starts) + self.dest.sent_ranks.index(rank)
         return None
 
-    def pull_devices(self) -> list:
-        """One device per piece to pull it onto: the first that needs it."""
-        n = 1 + len(self.dest.head_starts) + len(self.dest.sent_ranks)
-        where: list = [None] * n
+    @property
+    def num_pieces(self) -> int:
+        return 1 + len(self.dest.head_starts) + len(self.dest.sent_ranks)
+
+    def _first_needers(self, devices_of) -> list:
+        where: list = [None] * self.num_pieces
         for which in range(3):
-            for dev in self.shardings[which].addressable_devices_indices_map(self.shapes[which]):
+            for dev in devices_of(which):
                 i = self._need(which, dev)
                 if i is not None and where[i] is None:
                     where[i] = dev
+        return where
+
+    def pull_devices(self) -> list:
+        """One device per piece to pull it onto: the first that needs it."""
+        where = self._first_needers(
+            lambda w: self.shardings[w].addressable_devices_indices_map(self.shapes[w]))
         if any(d is None for d in where):
             raise RuntimeError(f"no device of this engine holds piece(s) {[i for i, d in enumerate(where) if d is None]}")
         return where
+
+    def local_pull_devices(self) -> list:
+        """Under multi-host: per piece, the first of this process's devices that needs it, or
+        None where none does (another process pulls it)."""
+        return self._first_needers(
+            lambda w: self.shardings[w].addressable_devices_indices_map(self.shapes[w]))
+
+    def readers(self) -> list[list[int]]:
+        """Per piece, the processes that pull it (those with a device that needs it), sorted:
+        process p makes pull number ``readers[i].index(p)`` of piece i."""
+        out: list[set] = [set() for _ in range(self.num_pieces)]
+        for which in range(3):
+            for dev in self.shardings[which].devices_indices_map(self.shapes[which]):
+                i = self._need(which, dev)
+                if i is not None:
+                    out[i].add(dev.process_index)
+        return [sorted(r) for r in out]
 
     def assemble(self, pieces) -> tuple:
         """The load's inputs (state, conv, rows in block order) from the pulled pieces."""

@@ -265,7 +265,16 @@ class CacheManager:
         req = self._req(rid)
         self.flush_copies()
         idx, _ = self._prefix_index(req, tokens)
-        return self._program("read")(self.device_cache, jnp.int32(req.slot), jnp.asarray(idx))
+        # under multi-host every process gets the whole export (on each of its devices), so
+        # that it can cut the pieces it stages by itself (deal.cut_local_pieces)
+        name = "read_replicated" if self.spans_processes else "read"
+        return self._program(name)(self.device_cache, jnp.int32(req.slot), jnp.asarray(idx))
+
+    @property
+    def spans_processes(self) -> bool:
+        """The cache lives on the devices of more than one process (multi-host)."""
+        return self.device_cache is not None and len(
+            {d.process_index for d in self.device_cache.mla_kv.sharding.device_set}) > 1
 
     def handoff_target(self, rid: Hashable, tokens: int):
         """What ``rid``'s reservation needs of a ``tokens``-token handoff, laid out for this
@@ -297,7 +306,10 @@ class CacheManager:
         for b, pages in zip(group_blocks, per):
             index[b * pb: b * pb + len(pages)] = [req.pages[k] for k in pages]
             pos0[b * pb: b * pb + len(pages)] = [k * self.page_size for k in pages]
-        return HandoffTarget(dest, shapes, (st.dtype, cv.dtype, kv.dtype), shardings, group_blocks, index, pos0)
+        target = HandoffTarget(dest, shapes, (st.dtype, cv.dtype, kv.dtype), shardings, group_blocks, index, pos0)
+        if self.spans_processes:  # each process that needs a piece pulls its own copy
+            target.dest = dataclasses.replace(dest, pulls=tuple(len(r) for r in target.readers()))
+        return target
 
     def import_request(self, rid: Hashable, arrays: tuple, tokens: int, destination=None) -> None:
         """Write a handoff into ``rid``'s pages, which must cover ``tokens``, and its slot:
@@ -330,12 +342,16 @@ class CacheManager:
 
             import functools
 
-            body, writes = PROGRAMS[name]
-            if name in ("read", "load"):  # the conv window leaves and comes back in q|k|v order
+            body, writes = PROGRAMS["read" if name == "read_replicated" else name]
+            if name in ("read", "read_replicated", "load"):  # the conv window leaves and comes back in q|k|v order
                 body = functools.partial(body, conv_groups=conv_groups_of(self.device_cache.kda_conv))
             body = functools.partial(body, **splits_of(self.device_cache))  # rows read and written where they live
             kw = (dict(donate_argnums=0, out_shardings=jax.tree.map(lambda a: a.sharding, self.device_cache))
                   if writes else {})
+            if name == "read_replicated":
+                from .deal import replicated
+
+                kw = dict(out_shardings=replicated(self.device_cache.mla_kv.sharding))
             fn = self._copy_fns[name] = self.programs.jit(body, f"cache_{name}", **kw)
         return fn
 
