@@ -97,22 +97,22 @@ def test_serve_generate_metrics_and_sigterm(text_ckpt, tmp_path, cache_home):
             proc.wait()
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_multi_host_pd_role_is_refused_by_every_process_before_loading(role, tmp_path):
-    """Issue #36: a P/D role on a multi-host engine (not supported yet) is refused by every
-    process from its flags alone, exit 2 within seconds: no process joins the cluster, loads
-    or waits for another, whatever order they start in (a leader that refused after loading
-    used to leave its follower running)."""
+def test_a_refused_multi_host_prefill_exits_on_every_process_before_loading(tmp_path):
+    """Issue #36: a configuration the flags alone refuse (here a prefill whose bootstrap
+    service would listen off loopback without a cluster secret) is refused by every process
+    of a multi-host deployment, exit 2 within seconds: none joins the cluster, loads or waits
+    for another, whatever order they start in."""
     port, missing = free_port(), tmp_path / "never-read"  # a model path that does not exist: never opened
-    procs = [subprocess.Popen([sys.executable, "-m", "k3serve.server.cli", "serve", "--role", role, "--model",
-                               str(missing), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                               "--process-id", str(i), "--port", "0", "--metrics-port", "-1"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (1, 0)]
+    env = {k: v for k, v in os.environ.items() if k != "K3SERVE_CLUSTER_SECRET"}
+    procs = [subprocess.Popen([sys.executable, "-m", "k3serve.server.cli", "serve", "--role", "prefill", "--model",
+                               str(missing), "--host", "0.0.0.0", "--coordinator", f"127.0.0.1:{port}",
+                               "--num-processes", "2", "--process-id", str(i), "--port", "0", "--metrics-port", "-1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in (1, 0)]
     try:
         for p in procs:
             out, err = p.communicate(timeout=120)
             assert p.returncode == 2, (out, err)
-            assert f"cannot serve as {role}" in err and "multi-host" in err, err
+            assert "cannot serve as prefill" in err and "secret" in err, err
             assert "process " not in out and "loading" not in out, out  # never joined, never loaded
     finally:
         for p in procs:

@@ -109,6 +109,7 @@ def build_engine(args, path, dispatch=None):
                  detokenizer=detok, tokenizer=tok, async_scheduling=not args.sync, recipe=args.recipe,
                  max_n=getattr(args, "max_n", 8),
                  dispatch=dispatch, pd_handoff_bytes=pd_handoff_bytes(args), pd_role=getattr(args, "role", None),
+                 pd_transfer_host=getattr(args, "host", "127.0.0.1"),
                  **prefix_kwargs(args), **spec_kwargs(args), **kv)
     return eng
 

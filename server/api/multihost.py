@@ -27,7 +27,7 @@ import sys
 import time
 
 # the flags that shape the engine: every process must have the same
-ENGINE_FLAGS = ("recipe", "dtype", "dequantize_experts", "kernels", "max_num_seqs", "max_num_batched_tokens", "chunk_size",
+ENGINE_FLAGS = ("recipe", "role", "dtype", "dequantize_experts", "kernels", "max_num_seqs", "max_num_batched_tokens", "chunk_size",
                 "bucket_growth", "page_size", "max_model_len", "kv_memory_gb", "num_pages", "sync",
                 "no_prefix_caching", "prefix_unit", "prefix_interval", "no_prefix_second_hit",
                 "no_prefix_output_end", "prefix_snapshots", "prefix_cache_gb")

@@ -30,10 +30,9 @@ def serve(args) -> int:
     import threading
 
     enable_compile_cache()
-    refused = refuse_before_loading(args)
-    if refused is not None:
-        return refused
-    pd_secret = _pd_secret(args)  # before anything is loaded: an open bootstrap service off loopback is refused
+    # before anything is loaded or joined, by every process alike (the same flags): an open
+    # bootstrap service off loopback, an unreadable secret
+    pd_secret = _pd_secret(args)
     if isinstance(pd_secret, int):
         return pd_secret
     path = model_or_demo(args.model)
@@ -139,22 +138,6 @@ def serve(args) -> int:
     return code
 
 
-def refuse_before_loading(args) -> int | None:
-    """Exit status 2 (with the reason on stderr) for a deployment this build cannot serve,
-    decided from the flags alone: every process of a multi-host deployment runs the same check
-    on the same flags first thing, so each one exits by itself, before joining the cluster or
-    reading a byte of the model — not after minutes of loading, and without a leader that has
-    to tell its followers."""
-    role = getattr(args, "role", "unified")
-    multi = (getattr(args, "num_processes", None) or 1) > 1 or getattr(args, "distributed", None) == "auto"
-    if role != "unified" and multi:
-        print(f"k3serve: cannot serve as {role}: a P/D role needs a one-process engine for now (a --recipe over "
-              "this process's devices); a multi-host prefill or decode is not supported yet", file=sys.stderr,
-              flush=True)
-        return 2
-    return None
-
-
 def _pd_secret(args):
     """The cluster secret for the P/D bootstrap (None: none given), or an exit status when the
     server must not start: an unreadable secret, or a prefill whose bootstrap service would
@@ -177,8 +160,6 @@ def _pd_secret(args):
 def attach_pd(servicer, engine, args, secret: bytes | None = None):
     """Make the servicer a P/D prefill (bootstrap service on ``--bootstrap-port``) or decode
     server (``--role``); returns the side, to stop at exit."""
-    if engine.dispatch.num_processes > 1:
-        raise ValueError("P/D roles need a one-process engine for now (a --recipe over this process's devices)")
     handoff = pd_handoff_bytes(args) or None
     from ..pd.budget import bound_warning
 

@@ -64,7 +64,7 @@ class Engine:
                  prefix_second_hit: bool = True, prefix_output_end: bool = True,
                  prefix_snapshots: int | None = None, prefix_cache_bytes: int | None = None,
                  prefix_host_bytes: int = 1 << 30, bucket_growth: int = 8, dispatch=None, pd_handoff_bytes: int = 0,
-                 pd_role: str | None = None, abstract: bool = False, speculative: dict | None = None,
+                 pd_transfer_host: str = "127.0.0.1", pd_role: str | None = None, abstract: bool = False, speculative: dict | None = None,
                  drafter=None, tokenizer=None, max_n: int = 8):
         """``abstract``: build the engine for compiling only (``aot_build``, ``k3serve compile``):
         ``model.params`` are ``ShapeDtypeStruct``s already placed on ``devices`` (by the recipe's
@@ -204,6 +204,11 @@ class Engine:
         self.step_s = 0.0  # wall time inside step(), host work included
         # "prefill" / "decode": the P/D side this engine serves (its handoff programs are warmed)
         self.pd_role = pd_role if pd_role in ("prefill", "decode") else None
+        self.handoff_plane = None  # multi-host P/D: each process's part of every handoff
+        if self.pd_role is not None and not abstract and self.cache_mgr.spans_processes:
+            from .cache.handoff_plane import HandoffPlane
+
+            self.handoff_plane = HandoffPlane(self.cache_mgr, self.dispatch, pd_transfer_host)
         if warmup and not abstract:
             from .warm_programs import warm_small_programs
 
@@ -372,13 +377,20 @@ class Engine:
         """The handoff of a request queued by :meth:`admit_prefilled`: written into its
         reservation now, or when it gets one. False if the request is gone (aborted)."""
         req = self.requests.get(rid)
-        if req is None or req.finished or not req.awaiting:
-            return False
-        self._check_handoff(req.prompt, handoff)
-        if handoff.destination is not None and (
-                req.rid not in self.cache_mgr
-                or self.cache_mgr.handoff_target(req.rid, handoff.prompt_len).dest != handoff.destination):
-            raise RequestError("the handoff was cut for another reservation than this request holds")
+        try:
+            if req is None or req.finished or not req.awaiting:
+                if handoff.key is not None and self.handoff_plane is not None:  # nobody takes it: free it everywhere
+                    self.handoff_plane.drop(handoff.key)
+                return False
+            self._check_handoff(req.prompt, handoff)
+            if handoff.destination is not None and (
+                    req.rid not in self.cache_mgr
+                    or self.cache_mgr.handoff_target(req.rid, handoff.prompt_len).dest != handoff.destination):
+                raise RequestError("the handoff was cut for another reservation than this request holds")
+        except RequestError:
+            if handoff.key is not None and self.handoff_plane is not None:
+                self.handoff_plane.drop(handoff.key)
+            raise
         req.prefilled = handoff
         if req.rid in self.cache_mgr:  # reserved
             self._take_handoff(req)
@@ -393,7 +405,15 @@ class Engine:
     def _take_handoff(self, req: Request) -> None:
         """Write the handoff into the request's reservation; its first token is its first output."""
         h = req.prefilled
-        self.cache_mgr.import_request(req.rid, h.arrays, h.prompt_len, h.destination)
+        if h.key is not None:  # multi-host: every process loads the pieces it pulled, or none does
+            if self.handoff_plane is None or not self.handoff_plane.load(req.rid, h.key, h.prompt_len):
+                from ..pd.errors import HandoffError
+
+                req.prefilled = None
+                raise HandoffError("UNAVAILABLE", "the KV transfer did not reach every process of this server in "
+                                                  "time (a prefill process may have died)")
+        else:
+            self.cache_mgr.import_request(req.rid, h.arrays, h.prompt_len, h.destination)
         req.prefilled, req.awaiting = None, False
         req.cached_tokens = h.cached_tokens
         req.output.append(int(h.first_token))
@@ -646,10 +666,14 @@ class Engine:
     def _export(self, req: Request, tok: int) -> None:
         from .handoff import Handoff
 
-        arrays = self.cache_mgr.export_request(req.rid, len(req.prompt))
+        key = arrays = None
+        if self.handoff_plane is not None:  # multi-host: every process keeps its copy under a key
+            key, arrays = self.handoff_plane.export(req.rid, len(req.prompt)), ()
+        else:
+            arrays = self.cache_mgr.export_request(req.rid, len(req.prompt))
         req.handoff = Handoff(len(req.prompt), tok, req.logprobs[0] if req.logprobs else None,
                               req.cached_tokens or 0, arrays,
-                              id_logprobs=req.id_logprobs[0] if req.id_logprobs else None)
+                              id_logprobs=req.id_logprobs[0] if req.id_logprobs else None, key=key)
         self._finish(req, "length")
 
     def _check_stop(self, req: Request, tok: int) -> None:

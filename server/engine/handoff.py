@@ -34,3 +34,6 @@ class Handoff:
     arrays: tuple
     destination: object = None  # cache.deal.Destination the arrays were dealt for, or None
     id_logprobs: list | None = None  # token_ids_logprob: the first position's [(id, logprob), ...]
+    # multi-host (cache/handoff_plane.py): the arrays stay in every process under this key
+    # (a prefill's export; a decode's pulls), ``arrays`` is empty
+    key: int | None = None

@@ -50,7 +50,12 @@ def warm_small_programs(engine, pd_role: str | None) -> int:
         import numpy as np
 
         slot = jnp.int32(mgr.scratch_slot(0))
-        deal.warm_cuts([mgr._program("read")(mgr.device_cache, slot, jnp.asarray(np.zeros(w, np.int32)))
-                        for w in widths["read"]])
+        if mgr.spans_processes:  # multi-host: the export is replicated, each process cuts its local copy
+            exports = [tuple(a.addressable_shards[0].data for a in mgr._program("read_replicated")(
+                mgr.device_cache, slot, jnp.asarray(np.zeros(w, np.int32)))) for w in widths["read"]]
+        else:
+            exports = [mgr._program("read")(mgr.device_cache, slot, jnp.asarray(np.zeros(w, np.int32)))
+                       for w in widths["read"]]
+        deal.warm_cuts(exports)
     runner.warm_fixed += runner.num_compiles - before
     return runner.num_compiles - before

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!k3serve/server/pd/bootstrap.proto\x12\rk3serve.pd.v1\"_\n\x0b\x43\x61\x63heLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\x12\x10\n\x08\x64\x63p_size\x18\x04 \x01(\r\"P\n\x0fRegisterRequest\x12\x11\n\tdecode_id\x18\x01 \x01(\t\x12*\n\x06layout\x18\x02 \x01(\x0b\x32\x1a.k3serve.pd.v1.CacheLayout\"v\n\x10RegisterResponse\x12\x12\n\nprefill_id\x18\x01 \x01(\t\x12*\n\x06layout\x18\x02 \x01(\x0b\x32\x1a.k3serve.pd.v1.CacheLayout\x12\x12\n\ncompatible\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\xdb\x01\n\x13\x41waitHandoffRequest\x12\x11\n\tdecode_id\x18\x01 \x01(\t\x12\x16\n\x0e\x62ootstrap_room\x18\x02 \x01(\x05\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x14\n\x0cprompt_crc32\x18\x05 \x01(\x07\x12*\n\x06layout\x18\x06 \x01(\x0b\x32\x1a.k3serve.pd.v1.CacheLayout\x12/\n\x0b\x64\x65stination\x18\x07 \x01(\x0b\x32\x1a.k3serve.pd.v1.Destination\"w\n\x0b\x44\x65stination\x12\x12\n\nhead_count\x18\x01 \x01(\r\x12\x13\n\x0bhead_starts\x18\x02 \x03(\r\x12+\n\npage_lists\x18\x03 \x03(\x0b\x32\x17.k3serve.pd.v1.PageList\x12\x12\n\nfirst_page\x18\x04 \x01(\r\"\x19\n\x08PageList\x12\r\n\x05pages\x18\x01 \x03(\x05\"*\n\nTensorSpec\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\",\n\x0bTopLogprobs\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xe2\x02\n\x07Handoff\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x05\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x14\n\x0cprompt_crc32\x18\x03 \x01(\x07\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x05 \x01(\r\x12\x32\n\rfirst_logprob\x18\x06 \x01(\x0b\x32\x1b.k3serve.pd.v1.TokenLogprob\x12\x35\n\x11\x66irst_id_logprobs\x18\x0c \x01(\x0b\x32\x1a.k3serve.pd.v1.TopLogprobs\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12\x18\n\x10transfer_address\x18\x08 \x01(\t\x12\x15\n\rtransfer_uuid\x18\t \x01(\x04\x12)\n\x06\x61rrays\x18\n \x03(\x0b\x32\x19.k3serve.pd.v1.TensorSpec\x12\x0e\n\x06nbytes\x18\x0b \x01(\x04\"L\n\x0eReleaseRequest\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x05\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06pulled\x18\x03 \x01(\x08\"\x11\n\x0fReleaseResponse2\xee\x01\n\tBootstrap\x12K\n\x08Register\x12\x1e.k3serve.pd.v1.RegisterRequest\x1a\x1f.k3serve.pd.v1.RegisterResponse\x12J\n\x0c\x41waitHandoff\x12\".k3serve.pd.v1.AwaitHandoffRequest\x1a\x16.k3serve.pd.v1.Handoff\x12H\n\x07Release\x12\x1d.k3serve.pd.v1.ReleaseRequest\x1a\x1e.k3serve.pd.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!k3serve/server/pd/bootstrap.proto\x12\rk3serve.pd.v1\"_\n\x0b\x43\x61\x63heLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\x12\x10\n\x08\x64\x63p_size\x18\x04 \x01(\r\"P\n\x0fRegisterRequest\x12\x11\n\tdecode_id\x18\x01 \x01(\t\x12*\n\x06layout\x18\x02 \x01(\x0b\x32\x1a.k3serve.pd.v1.CacheLayout\"v\n\x10RegisterResponse\x12\x12\n\nprefill_id\x18\x01 \x01(\t\x12*\n\x06layout\x18\x02 \x01(\x0b\x32\x1a.k3serve.pd.v1.CacheLayout\x12\x12\n\ncompatible\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\xdb\x01\n\x13\x41waitHandoffRequest\x12\x11\n\tdecode_id\x18\x01 \x01(\t\x12\x16\n\x0e\x62ootstrap_room\x18\x02 \x01(\x05\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x14\n\x0cprompt_crc32\x18\x05 \x01(\x07\x12*\n\x06layout\x18\x06 \x01(\x0b\x32\x1a.k3serve.pd.v1.CacheLayout\x12/\n\x0b\x64\x65stination\x18\x07 \x01(\x0b\x32\x1a.k3serve.pd.v1.Destination\"\x86\x01\n\x0b\x44\x65stination\x12\x12\n\nhead_count\x18\x01 \x01(\r\x12\x13\n\x0bhead_starts\x18\x02 \x03(\r\x12+\n\npage_lists\x18\x03 \x03(\x0b\x32\x17.k3serve.pd.v1.PageList\x12\x12\n\nfirst_page\x18\x04 \x01(\r\x12\r\n\x05pulls\x18\x05 \x03(\r\"\x19\n\x08PageList\x12\r\n\x05pages\x18\x01 \x03(\x05\"*\n\nTensorSpec\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\",\n\x0bTopLogprobs\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xfb\x02\n\x07Handoff\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x05\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x14\n\x0cprompt_crc32\x18\x03 \x01(\x07\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x05 \x01(\r\x12\x32\n\rfirst_logprob\x18\x06 \x01(\x0b\x32\x1b.k3serve.pd.v1.TokenLogprob\x12\x35\n\x11\x66irst_id_logprobs\x18\x0c \x01(\x0b\x32\x1a.k3serve.pd.v1.TopLogprobs\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12\x18\n\x10transfer_address\x18\x08 \x01(\t\x12\x15\n\rtransfer_uuid\x18\t \x01(\x04\x12)\n\x06\x61rrays\x18\n \x03(\x0b\x32\x19.k3serve.pd.v1.TensorSpec\x12\x0e\n\x06nbytes\x18\x0b \x01(\x04\x12\x17\n\x0fpiece_addresses\x18\r \x03(\t\"L\n\x0eReleaseRequest\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x05\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06pulled\x18\x03 \x01(\x08\"\x11\n\x0fReleaseResponse2\xee\x01\n\tBootstrap\x12K\n\x08Register\x12\x1e.k3serve.pd.v1.RegisterRequest\x1a\x1f.k3serve.pd.v1.RegisterResponse\x12J\n\x0c\x41waitHandoff\x12\".k3serve.pd.v1.AwaitHandoffRequest\x1a\x16.k3serve.pd.v1.Handoff\x12H\n\x07Release\x12\x1d.k3serve.pd.v1.ReleaseRequest\x1a\x1e.k3serve.pd.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,22 +39,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERRESPONSE']._serialized_end=349
   _globals['_AWAITHANDOFFREQUEST']._serialized_start=352
   _globals['_AWAITHANDOFFREQUEST']._serialized_end=571
-  _globals['_DESTINATION']._serialized_start=573
-  _globals['_DESTINATION']._serialized_end=692
-  _globals['_PAGELIST']._serialized_start=694
-  _globals['_PAGELIST']._serialized_end=719
-  _globals['_TENSORSPEC']._serialized_start=721
-  _globals['_TENSORSPEC']._serialized_end=763
-  _globals['_TOKENLOGPROB']._serialized_start=765
-  _globals['_TOKENLOGPROB']._serialized_end=835
-  _globals['_TOPLOGPROBS']._serialized_start=837
-  _globals['_TOPLOGPROBS']._serialized_end=881
-  _globals['_HANDOFF']._serialized_start=884
-  _globals['_HANDOFF']._serialized_end=1238
-  _globals['_RELEASEREQUEST']._serialized_start=1240
-  _globals['_RELEASEREQUEST']._serialized_end=1316
-  _globals['_RELEASERESPONSE']._serialized_start=1318
-  _globals['_RELEASERESPONSE']._serialized_end=1335
-  _globals['_BOOTSTRAP']._serialized_start=1338
-  _globals['_BOOTSTRAP']._serialized_end=1576
+  _globals['_DESTINATION']._serialized_start=574
+  _globals['_DESTINATION']._serialized_end=708
+  _globals['_PAGELIST']._serialized_start=710
+  _globals['_PAGELIST']._serialized_end=735
+  _globals['_TENSORSPEC']._serialized_start=737
+  _globals['_TENSORSPEC']._serialized_end=779
+  _globals['_TOKENLOGPROB']._serialized_start=781
+  _globals['_TOKENLOGPROB']._serialized_end=851
+  _globals['_TOPLOGPROBS']._serialized_start=853
+  _globals['_TOPLOGPROBS']._serialized_end=897
+  _globals['_HANDOFF']._serialized_start=900
+  _globals['_HANDOFF']._serialized_end=1279
+  _globals['_RELEASEREQUEST']._serialized_start=1281
+  _globals['_RELEASEREQUEST']._serialized_end=1357
+  _globals['_RELEASERESPONSE']._serialized_start=1359
+  _globals['_RELEASERESPONSE']._serialized_end=1376
+  _globals['_BOOTSTRAP']._serialized_start=1379
+  _globals['_BOOTSTRAP']._serialized_end=1617
 # @@protoc_insertion_point(module_scope)

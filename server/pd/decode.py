@@ -29,6 +29,7 @@ import grpc
 
 import numpy as np
 
+from ..engine.cache.deal import pull_uuid
 from ..engine.handoff import Handoff
 from . import bootstrap_pb2 as pb
 from . import bootstrap_pb2_grpc as pb_grpc
@@ -61,7 +62,8 @@ class DecodeSide:
         self.await_s, self.transfer_s = await_s, transfer_s
         self.auth = BootstrapAuth(secret)
         self.budget = HandoffBudget(handoff_bytes)
-        self.transfer = TransferEndpoint(host)
+        plane = engine.handoff_plane  # multi-host: each process's own endpoint (this is the leader's)
+        self.transfer = plane.endpoint if plane is not None else TransferEndpoint(host)
         self.layout = cache_layout(engine)
         self.decode_id = f"decode@{self.transfer.address}"
         self.pool = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="k3-pd-pull")
@@ -173,9 +175,25 @@ class DecodeSide:
         if got != specs:
             raise HandoffError("FAILED_PRECONDITION", f"the prefill announced arrays {got}, this server expects {specs}")
         t = time.monotonic()
-        pieces = self.transfer.pull(msg.transfer_address, msg.transfer_uuid, specs, devices=target.pull_devices())
+        plane, key = self.engine.handoff_plane, None
+        addresses = list(msg.piece_addresses)
+        if plane is None and addresses and len(addresses) != len(specs):
+            raise HandoffError("FAILED_PRECONDITION", f"the prefill named {len(addresses)} piece addresses for "
+                                                      f"{len(specs)} pieces")
+        if plane is not None:  # multi-host: every process pulls what its own devices need
+            if len(addresses) != len(specs):  # a one-process prefill stages the pieces per pull, too
+                addresses = [msg.transfer_address] * len(specs)
+            key = plane.pull(target, addresses, msg.transfer_uuid, specs, self.transfer_s)
+            pieces = plane.local_pieces(key)
+        elif addresses:  # a multi-host prefill: each piece from the process that staged it
+            pieces = [self.transfer.pull(a, pull_uuid(msg.transfer_uuid, i, 0), [spec], devices=[dev])[0]
+                      for i, (a, spec, dev) in enumerate(zip(addresses, specs, target.pull_devices()))]
+        else:
+            pieces = self.transfer.pull(msg.transfer_address, msg.transfer_uuid, specs, devices=target.pull_devices())
         ok = wait_ready(pieces, self.transfer_s)
         dt = time.monotonic() - t
+        if not ok and key is not None:
+            plane.drop(key)
         try:
             rel = pb.ReleaseRequest(bootstrap_room=room, request_id=rid, pulled=ok)
             stub.Release(rel, timeout=5, metadata=self.auth.metadata("Release", rel))
@@ -196,8 +214,9 @@ class DecodeSide:
         ids_lp = None
         if msg.HasField("first_id_logprobs"):
             ids_lp = list(zip(msg.first_id_logprobs.ids, msg.first_id_logprobs.logprobs))
-        return Handoff(len(ids), int(msg.first_token), lp, int(msg.cached_tokens), target.assemble(pieces), target.dest,
-                       id_logprobs=ids_lp)
+        arrays = target.assemble(pieces) if key is None else ()
+        return Handoff(len(ids), int(msg.first_token), lp, int(msg.cached_tokens), arrays, target.dest,
+                       id_logprobs=ids_lp, key=key)
 
     def stop(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -64,12 +64,12 @@ def piece_specs(engine, prompt_len: int, dest: Destination) -> list[tuple[tuple[
 
 def destination_pb(dest: Destination) -> "pb.Destination":
     return pb.Destination(first_page=dest.first_page, head_count=dest.head_count, head_starts=list(dest.head_starts),
-                          page_lists=[pb.PageList(pages=list(p)) for p in dest.page_lists])
+                          page_lists=[pb.PageList(pages=list(p)) for p in dest.page_lists], pulls=list(dest.pulls))
 
 
 def destination_of(msg: "pb.Destination") -> Destination:
     return Destination(first_page=msg.first_page, head_count=msg.head_count, head_starts=tuple(msg.head_starts),
-                       page_lists=tuple(tuple(p.pages) for p in msg.page_lists))
+                       page_lists=tuple(tuple(p.pages) for p in msg.page_lists), pulls=tuple(msg.pulls))
 
 
 def engine_devices(engine) -> list:

@@ -28,7 +28,7 @@ import grpc
 from . import bootstrap_pb2 as pb
 from . import bootstrap_pb2_grpc as pb_grpc
 from ...intmath import cdiv
-from ..engine.cache.deal import cut_pieces
+from ..engine.cache.deal import cut_pieces, pull_uuid
 from .auth import BootstrapAuth
 from .budget import HandoffBudget, nbytes_of
 from .errors import HandoffError
@@ -214,7 +214,8 @@ class PrefillSide:
         self.num_heads, self.page_size = engine.model.config.kda_num_heads, engine.capacity_plan.page_size
         self.budget = HandoffBudget(handoff_bytes)
         self.rooms = Rooms(ttl_s=wait_s + stage_s + 60.0, staged_s=stage_s, budget=self.budget)
-        self.transfer = TransferEndpoint(host)
+        plane = engine.handoff_plane  # multi-host: each process's own endpoint (this is the leader's)
+        self.transfer = plane.endpoint if plane is not None else TransferEndpoint(host)
         self.layout = cache_layout(engine)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="k3-bootstrap"),
                                   options=[("grpc.so_reuseport", 0)])
@@ -291,18 +292,32 @@ class PrefillSide:
         """Stage the final output's handoff and answer the decode's AwaitHandoff."""
         if room.decode_left or room.done.is_set():  # nobody waits for it: drop it
             self.rooms.end(room.key)
+            if out.handoff.key is not None:
+                self.engine.handoff_plane.drop(out.handoff.key)
             return
         h = out.handoff
-        pieces = cut_pieces(h.arrays, room.dest, self.devices)
+        plane = self.engine.handoff_plane
+        uuid = secrets.randbits(63)
+        specs = piece_specs(self.engine, h.prompt_len, room.dest)
+        nbytes = nbytes_of(specs)
+        addresses = []
+        if plane is not None:  # multi-host: every process stages the pieces of its own devices
+            addresses = plane.stage(h.key, room.dest, uuid, self.stage_s)
+        else:
+            pieces = cut_pieces(h.arrays, room.dest, self.devices)
+            if room.dest.pulls:  # a multi-host decode: each piece once per process that pulls it
+                for i, piece in enumerate(pieces):
+                    for k in range(room.dest.num_pulls(i)):
+                        self.transfer.stage(pull_uuid(uuid, i, k), [piece], self.stage_s)
+                addresses = [self.transfer.address] * len(pieces)
+            else:
+                self.transfer.stage(uuid, pieces, self.stage_s)
         h.arrays = ()  # the export is cut: only the pieces stay
         self.rooms.refund(room, room.export_bytes)
-        uuid = secrets.randbits(63)
-        self.transfer.stage(uuid, pieces, self.stage_s)
         msg = pb.Handoff(bootstrap_room=room.key[0], request_id=room.key[1], prompt_crc32=room.request.prompt_crc32,
                          prompt_len=h.prompt_len, first_token=h.first_token, cached_tokens=h.cached_tokens,
-                         transfer_address=self.transfer.address, transfer_uuid=uuid,
-                         nbytes=sum(int(a.nbytes) for a in pieces),
-                         arrays=[pb.TensorSpec(shape=a.shape, dtype=str(a.dtype)) for a in pieces])
+                         transfer_address=self.transfer.address, transfer_uuid=uuid, nbytes=nbytes,
+                         arrays=[pb.TensorSpec(shape=s, dtype=d) for s, d in specs], piece_addresses=addresses)
         if h.logprob is not None:
             lp, top = h.logprob
             msg.first_logprob.CopyFrom(pb.TokenLogprob(logprob=lp, top_ids=[int(a) for a, _ in top],

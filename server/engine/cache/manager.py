@@ -281,7 +281,7 @@ class CacheManager:
         cache (``deal.HandoffTarget``: the destination to send the prefill, where to pull each
         piece, the load's block-order index). A pure function of the reservation. Pages the
         request maps from this engine's prefix cache are neither asked for nor written."""
-        from .deal import Destination, HandoffTarget, replicated, without_slot_axis
+        from .deal import Destination, without_slot_axis
 
         req = self._req(rid)
         n = cdiv(tokens, self.page_size)
@@ -290,14 +290,10 @@ class CacheManager:
         group_blocks = tuple(req.group * self.dcp + r for r in range(self.dcp))
         per = [[k for k in range(req.shared, n) if self.block_for(req, k) == b] for b in group_blocks]
         pb = next_pow2(max(1, max(len(x) for x in per)))
-        cache = self.device_cache
-        st, cv, kv = cache.kda_state, cache.kda_conv, cache.mla_kv
-        shapes = ((st.shape[0],) + st.shape[2:], (cv.shape[0],) + cv.shape[2:],
-                  (kv.shape[0], self.dp * self.dcp * pb) + kv.shape[2:])
-        # the conv window comes whole (q|k|v order) to every device; the load deals its channels
-        shardings = (without_slot_axis(st.sharding, st.ndim), replicated(cv.sharding), kv.sharding)
-        heads = {(sl[1].start or 0, sl[1].stop or shapes[0][1])
-                 for sl in shardings[0].devices_indices_map(shapes[0]).values()}
+        st = self.device_cache.kda_state
+        shape = (st.shape[0],) + st.shape[2:]
+        heads = {(sl[1].start or 0, sl[1].stop or shape[1])
+                 for sl in without_slot_axis(st.sharding, st.ndim).devices_indices_map(shape).values()}
         dest = Destination(first_page=req.shared, head_count=next(iter(heads))[1] - next(iter(heads))[0],
                            head_starts=tuple(sorted(h for h, _ in heads)),
                            page_lists=tuple(tuple(x + [-1] * (pb - len(x))) for x in per))
@@ -306,10 +302,25 @@ class CacheManager:
         for b, pages in zip(group_blocks, per):
             index[b * pb: b * pb + len(pages)] = [req.pages[k] for k in pages]
             pos0[b * pb: b * pb + len(pages)] = [k * self.page_size for k in pages]
-        target = HandoffTarget(dest, shapes, (st.dtype, cv.dtype, kv.dtype), shardings, group_blocks, index, pos0)
+        target = self.target_for(dest, group_blocks, index, pos0)
         if self.spans_processes:  # each process that needs a piece pulls its own copy
             target.dest = dataclasses.replace(dest, pulls=tuple(len(r) for r in target.readers()))
         return target
+
+    def target_for(self, dest, group_blocks: tuple, index: np.ndarray, pos0: np.ndarray):
+        """The ``deal.HandoffTarget`` of ``dest`` on this cache (its load's shapes and
+        shardings), the load writing block-order row i to page ``index[i]`` — what every
+        process of a multi-host decode rebuilds from the leader's ``handoff_target``."""
+        from .deal import HandoffTarget, replicated, without_slot_axis
+
+        cache = self.device_cache
+        st, cv, kv = cache.kda_state, cache.kda_conv, cache.mla_kv
+        pb = dest.pages_per_block
+        shapes = ((st.shape[0],) + st.shape[2:], (cv.shape[0],) + cv.shape[2:],
+                  (kv.shape[0], self.dp * self.dcp * pb) + kv.shape[2:])
+        # the conv window comes whole (q|k|v order) to every device; the load deals its channels
+        shardings = (without_slot_axis(st.sharding, st.ndim), replicated(cv.sharding), kv.sharding)
+        return HandoffTarget(dest, shapes, (st.dtype, cv.dtype, kv.dtype), shardings, tuple(group_blocks), index, pos0)
 
     def import_request(self, rid: Hashable, arrays: tuple, tokens: int, destination=None) -> None:
         """Write a handoff into ``rid``'s pages, which must cover ``tokens``, and its slot:

@@ -1,0 +1,190 @@
+"""P/D between two multi-host sides (issue #36), as deployed: PyPI ``smg`` in
+``--pd-disaggregation`` mode, started first, in front of a prefill of two processes
+(``--role prefill --recipe ep=4``) and a decode of two processes (``--role decode --recipe
+ep=2,tp=2,dcp=4``), each process with 2 virtual CPU devices, gloo. Every process of a side
+stages or pulls its own part of each handoff (``server/engine/cache/handoff_plane.py``).
+Completions through smg equal a unified one-device server's for prompts of 3 to 40 tokens
+(pages of 8; the longest spans 3 prefill chunks), and a second turn hits the decode's prefix
+cache; afterwards neither side holds a request, page or P/D queue entry."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from _util import child_xla_flags, free_port, log_tail, post_json as _post, tool_path, wait_for_router
+
+SMG = tool_path("smg")
+pytestmark = [pytest.mark.skipif(SMG is None, reason="smg (dev extra) is not installed"), pytest.mark.slow]
+
+FLAGS = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--chunk-size", "16", "--page-size", "8",
+         "--max-model-len", "128", "--metrics-port", "-1", "--heartbeat-timeout", "10"]
+ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=16, chunk_size=16, page_size=8, max_model_len=128)
+SECRET = b"pd-multihost-cluster-secret-0123"
+
+
+def text_checkpoint(root):
+    """A 4-layer K3 with 4 KDA and 4 MLA heads (split over 4 devices) and the demo tokenizer."""
+    from k3serve.checkpoints.synthetic import generate_checkpoint, k3_config
+    from k3serve.server.text.demo_tokenizer import write_demo_tokenizer
+
+    out = root / "k3-h4-text"
+    cfg = k3_config(vocab_size=4096, hidden_size=64, num_hidden_layers=4, full_attn_layers=[4], kda_num_heads=4,
+                    kda_head_dim=16, mla_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                    qk_rope_head_dim=16, v_head_dim=16, num_experts=8, num_experts_per_token=2,
+                    num_shared_experts=1, moe_intermediate_size=32, routed_expert_hidden_size=32,
+                    intermediate_size=128, attn_res_block_size=2)
+    generate_checkpoint(out, cfg, seed=3)
+    write_demo_tokenizer(out)
+    return out
+
+
+class Side:
+    """One P/D side: ``k3serve serve --role ROLE`` as two processes."""
+
+    def __init__(self, ckpt, role, recipe, tmp, env, port, boot=None):
+        self.port, coord = port, free_port()
+        extra = ["--bootstrap-port", str(boot), "--pd-wait", "10", "--pd-transfer-timeout", "10"] if boot else \
+            ["--pd-transfer-timeout", "10"]
+        env = dict(env, XLA_FLAGS=child_xla_flags(2))
+        self.logs = [open(tmp / f"{role}{i}.log", "w+") for i in range(2)]
+        self.procs = [subprocess.Popen(
+            [sys.executable, "-m", "k3serve.server.cli", "serve", "--model", str(ckpt), "--role", role,
+             "--recipe", recipe, "--coordinator", f"127.0.0.1:{coord}", "--num-processes", "2",
+             "--process-id", str(i), "--port", str(port if i == 0 else free_port()), *FLAGS, *extra],
+            stdout=self.logs[i], stderr=subprocess.STDOUT, env=env) for i in (0, 1)]
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = pb_grpc.SglangSchedulerStub(self.channel)
+
+    def log(self, i: int) -> str:
+        self.logs[i].flush()
+        self.logs[i].seek(0)
+        return "".join(ln for ln in self.logs[i] if "[Gloo]" not in ln)[-4000:]
+
+    def wait_healthy(self, timeout=600):
+        t = time.monotonic() + timeout
+        while time.monotonic() < t:
+            for i, p in enumerate(self.procs):
+                assert p.poll() is None, f"process {i} exited {p.returncode}:\n{self.log(i)}"
+            try:
+                if self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=2).healthy:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"never healthy:\n{self.log(0)}\n{self.log(1)}")
+
+    def idle(self) -> bool:
+        ld = self.stub.GetLoads(pb.GetLoadsRequest(), timeout=10).loads[0]
+        d = ld.disaggregation
+        return (ld.num_running_reqs == ld.num_waiting_reqs == ld.num_used_tokens == 0
+                and d.prefill_prealloc_queue_reqs == d.prefill_inflight_queue_reqs == 0
+                and d.decode_prealloc_queue_reqs == d.decode_transfer_queue_reqs == 0)
+
+    def close(self):
+        self.channel.close()
+        for p in self.procs[:1]:  # SIGTERM to the leader stops its follower too
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+        for f in self.logs:
+            f.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, cache_home):
+    from k3serve.checkpoints import load_pretrained
+    from k3serve.server.api.engine_thread import EngineThread
+    from k3serve.server.api.grpc_service import GrpcServer, Servicer
+    from k3serve.server.engine.engine import Engine
+    from k3serve.server.text.tokenizer import load_tokenizer
+
+    tmp = tmp_path_factory.mktemp("pdmh")
+    ckpt = text_checkpoint(tmp)
+    tok = load_tokenizer(ckpt)
+    env = dict(os.environ, K3SERVE_CACHE=cache_home, K3SERVE_CLUSTER_SECRET=SECRET.decode())
+    made, router, log = [], None, open(tmp / "smg.log", "w+")
+    loop = server = None
+    try:
+        pre_port, boot, dec_port, http, prom = (free_port() for _ in range(5))
+        router = subprocess.Popen([SMG, "launch", "--pd-disaggregation", "--prefill", f"grpc://127.0.0.1:{pre_port}",
+                                   str(boot), "--decode", f"grpc://127.0.0.1:{dec_port}", "--model-path", str(ckpt),
+                                   "--host", "127.0.0.1", "--port", str(http), "--prometheus-host", "127.0.0.1",
+                                   "--prometheus-port", str(prom), "--worker-startup-check-interval", "1"],
+                                  stdout=log, stderr=subprocess.STDOUT)
+        pre = Side(ckpt, "prefill", "ep=4", tmp, env, pre_port, boot=boot)
+        made.append(pre)
+        dec = Side(ckpt, "decode", "ep=2,tp=2,dcp=4", tmp, env, dec_port)
+        made.append(dec)
+        loop = EngineThread(Engine(load_pretrained(ckpt), detokenizer=tok.detokenizer, **ENGINE))
+        server = GrpcServer(Servicer(model_dir=ckpt), host="127.0.0.1", port=0)
+        server.set_ready(loop)
+        uni = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        pre.wait_healthy()
+        dec.wait_healthy()
+        base = f"http://127.0.0.1:{http}"
+        model = wait_for_router(base, router, log)
+        yield {"base": base, "tok": tok, "model": model, "uni": pb_grpc.SglangSchedulerStub(uni), "pre": pre,
+               "dec": dec, "log": log}
+        uni.close()
+    finally:
+        if router is not None:
+            router.terminate()
+            try:
+                router.wait(20)
+            except subprocess.TimeoutExpired:
+                router.kill()
+        if server is not None:
+            server.shutdown(grace_s=5)
+        for s in made:
+            s.close()
+        log.close()
+
+
+def _unified(stack, ids, max_new):
+    req = pb.GenerateRequest(request_id=f"u-{time.monotonic_ns()}", tokenized=pb.TokenizedInput(input_ids=ids),
+                             sampling_params=pb.SamplingParams(max_new_tokens=max_new, temperature=0))
+    return list([r.complete for r in stack["uni"].Generate(req, timeout=120)][-1].output_ids)
+
+
+def _until(cond, timeout, what=""):
+    t = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < t, f"timed out: {what}"
+        time.sleep(0.1)
+
+
+PROMPTS = ["def f(x):", "import os\nimport sys\n\nclass Loader:\n    def __init__(self, path):",
+           "import os\ndef main():\n    path = os.path.join(os.getcwd(), 'data')\n    for name in os.listdir(path):\n"
+           "        print(name, os.path.getsize(os.path.join(path, name)))"]
+
+
+@pytest.mark.parametrize("i", range(len(PROMPTS)))
+def test_completions_through_smg_equal_unified(stack, i):
+    tok, prompt = stack["tok"], PROMPTS[i]
+    ids = tok.encode(prompt)
+    want = _unified(stack, ids, 10)
+    body = {"model": stack["model"], "prompt": prompt, "max_tokens": 10, "temperature": 0}
+    r = _post(stack["base"] + "/v1/completions", body)
+    assert r["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True), \
+        (len(ids), log_tail(stack["log"]), stack["dec"].log(0), stack["pre"].log(0))
+    assert r["usage"]["prompt_tokens"] == len(ids) and r["usage"]["completion_tokens"] == len(want)
+    if i == len(PROMPTS) - 1:  # a second turn: the decode maps the cached pages of the first
+        assert len(ids) > 32  # several prefill chunks of 16
+        prompt2 = prompt + r["choices"][0]["text"] + "\n    return 0"
+        want2 = _unified(stack, tok.encode(prompt2), 6)
+        r2 = _post(stack["base"] + "/v1/completions", {**body, "prompt": prompt2, "max_tokens": 6})
+        assert r2["choices"][0]["text"] == tok.decode(want2, skip_special_tokens=True)
+    for side in (stack["pre"], stack["dec"]):
+        _until(side.idle, 30, "a side still holds requests")
