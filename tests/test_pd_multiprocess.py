@@ -15,7 +15,7 @@ import pytest
 from _util import child_xla_flags, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SPEC = {"lengths": [3, 8, 21], "pairs": ["dp2>dcp4", "dcp4>dp2"]}
+SPEC = {"lengths": [3, 8, 21], "pairs": ["dp2>dcp4"]}  # the servers' test (test_pd_multihost) runs another pair
 pytestmark = pytest.mark.slow
 
 
