@@ -5,7 +5,9 @@ ep=2,tp=2,dcp=4``), each process with 2 virtual CPU devices, gloo. Every process
 stages or pulls its own part of each handoff (``server/engine/cache/handoff_plane.py``).
 Completions through smg equal a unified one-device server's for prompts of 3 to 40 tokens
 (pages of 8; the longest spans 3 prefill chunks), and a second turn hits the decode's prefix
-cache; afterwards neither side holds a request, page or P/D queue entry."""
+cache; afterwards neither side holds a request, page or P/D queue entry. Then a decode
+follower is killed mid-request: the client gets UNAVAILABLE within seconds, the decode side
+exits non-zero, and the prefill side frees everything and serves on."""
 from __future__ import annotations
 
 import os
@@ -136,7 +138,7 @@ def stack(tmp_path_factory, cache_home):
         base = f"http://127.0.0.1:{http}"
         model = wait_for_router(base, router, log)
         yield {"base": base, "tok": tok, "model": model, "uni": pb_grpc.SglangSchedulerStub(uni), "pre": pre,
-               "dec": dec, "log": log}
+               "dec": dec, "log": log, "boot": boot}
         uni.close()
     finally:
         if router is not None:
@@ -188,3 +190,46 @@ def test_completions_through_smg_equal_unified(stack, i):
         assert r2["choices"][0]["text"] == tok.decode(want2, skip_special_tokens=True)
     for side in (stack["pre"], stack["dec"]):
         _until(side.idle, 30, "a side still holds requests")
+
+
+def test_decode_follower_killed_mid_request(stack):
+    """SIGKILL to a decode follower while its request decodes: the client's stream ends with
+    UNAVAILABLE within seconds, the decode's leader exits non-zero (a multi-host engine that
+    lost a process stops as a whole), and the prefill side frees everything and serves on
+    (a unified request on it equals the reference). Last: the decode side is gone after it."""
+    import threading
+
+    pre, dec, tok = stack["pre"], stack["dec"], stack["tok"]
+    ids = tok.encode(PROMPTS[1])
+    got, box = [], {}
+    req = pb.GenerateRequest(request_id="kill-dec", tokenized=pb.TokenizedInput(input_ids=ids), stream=True,
+                             sampling_params=pb.SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True))
+    req.disaggregated_params.CopyFrom(pb.DisaggregatedParams(bootstrap_host="127.0.0.1",
+                                                             bootstrap_port=stack["boot"], bootstrap_room=77))
+
+    def leg(name, stub):
+        try:
+            for r in stub.Generate(req, timeout=120):
+                if name == "d" and r.HasField("chunk"):
+                    got.extend(r.chunk.token_ids)
+            box[name] = "ok"
+        except grpc.RpcError as e:
+            box[name] = e
+
+    threads = [threading.Thread(target=leg, args=(n, s.stub)) for n, s in (("d", dec), ("p", pre))]
+    for t in threads:
+        t.start()
+    _until(lambda: len(got) >= 3, 60, "the decode never streamed")
+    dec.procs[1].kill()
+    killed = time.monotonic()
+    threads[0].join(30)
+    assert isinstance(box.get("d"), grpc.RpcError) and box["d"].code() == grpc.StatusCode.UNAVAILABLE, box
+    assert time.monotonic() - killed < 15
+    assert len(got) < 100
+    assert dec.procs[0].wait(30) != 0  # the leader stopped too, non-zero
+    threads[1].join(30)
+    _until(pre.idle, 30, "the prefill kept the room or the request")
+    want = _unified(stack, ids, 6)
+    unified = pb.GenerateRequest(request_id="after-kill", tokenized=pb.TokenizedInput(input_ids=ids),
+                                 sampling_params=pb.SamplingParams(max_new_tokens=6, temperature=0))
+    assert list([r.complete for r in pre.stub.Generate(unified, timeout=120)][-1].output_ids) == want
