@@ -26,7 +26,7 @@ SMG = tool_path("smg")
 pytestmark = [pytest.mark.skipif(SMG is None, reason="smg (dev extra) is not installed"), pytest.mark.slow]
 
 FLAGS = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--chunk-size", "16", "--page-size", "8",
-         "--max-model-len", "128", "--metrics-port", "-1", "--heartbeat-timeout", "10"]
+         "--max-model-len", "128", "--heartbeat-timeout", "10"]
 ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=16, chunk_size=16, page_size=8, max_model_len=128)
 SECRET = b"pd-multihost-cluster-secret-0123"
 
@@ -51,7 +51,7 @@ class Side:
     """One P/D side: ``k3serve serve --role ROLE`` as two processes."""
 
     def __init__(self, ckpt, role, recipe, tmp, env, port, boot=None):
-        self.port, coord = port, free_port()
+        self.port, coord, self.metrics_port = port, free_port(), free_port()
         extra = ["--bootstrap-port", str(boot), "--pd-wait", "10", "--pd-transfer-timeout", "10"] if boot else \
             ["--pd-transfer-timeout", "10"]
         env = dict(env, XLA_FLAGS=child_xla_flags(2))
@@ -59,7 +59,8 @@ class Side:
         self.procs = [subprocess.Popen(
             [sys.executable, "-m", "k3serve.server.cli", "serve", "--model", str(ckpt), "--role", role,
              "--recipe", recipe, "--coordinator", f"127.0.0.1:{coord}", "--num-processes", "2",
-             "--process-id", str(i), "--port", str(port if i == 0 else free_port()), *FLAGS, *extra],
+             "--process-id", str(i), "--port", str(port if i == 0 else free_port()), "--metrics-port",
+             str(self.metrics_port if i == 0 else -1), *FLAGS, *extra],
             stdout=self.logs[i], stderr=subprocess.STDOUT, env=env) for i in (0, 1)]
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         self.stub = pb_grpc.SglangSchedulerStub(self.channel)
@@ -81,6 +82,13 @@ class Side:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"never healthy:\n{self.log(0)}\n{self.log(1)}")
+
+    def counters(self) -> dict:
+        import re
+        import urllib.request
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(k3serve_pd_\w+?)_total (\S+)$", text, re.M)}
 
     def idle(self) -> bool:
         ld = self.stub.GetLoads(pb.GetLoadsRequest(), timeout=10).loads[0]
@@ -190,6 +198,10 @@ def test_completions_through_smg_equal_unified(stack, i):
         assert r2["choices"][0]["text"] == tok.decode(want2, skip_special_tokens=True)
     for side in (stack["pre"], stack["dec"]):
         _until(side.idle, 30, "a side still holds requests")
+    # the leaders count what went through them (Prometheus): one handoff more on each side
+    pre, dec = stack["pre"].counters(), stack["dec"].counters()
+    assert pre["k3serve_pd_handoffs_staged"] == dec["k3serve_pd_handoffs_received"] >= i + 1, (pre, dec)
+    assert dec["k3serve_pd_received_bytes"] > 0 and dec["k3serve_pd_pull_seconds"] > 0, dec
 
 
 def test_decode_follower_killed_mid_request(stack):

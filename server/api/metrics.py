@@ -29,6 +29,7 @@ class Metrics:
         self.prompt_tokens = Counter("k3serve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.gen_tokens = Counter("k3serve_generation_tokens", "Generated tokens", registry=r)
         self.loop = None
+        self.pd = None  # the P/D side (pd.prefill.PrefillSide / pd.decode.DecodeSide) of a --role server
         r.register(_EngineCollector(self))
         self._http = None
 
@@ -69,6 +70,7 @@ class _EngineCollector:
         self.m = metrics
 
     def collect(self):
+        yield from self._pd()
         loop = self.m.loop
         if loop is None:
             return
@@ -115,3 +117,15 @@ class _EngineCollector:
             tier.add_metric(["device"], st["prefix_device_bytes"])
             tier.add_metric(["host"], st.get("prefix_host_bytes", 0))
             yield tier
+
+    def _pd(self):
+        """The P/D handoffs this server took part in (``--role``): counters of the side."""
+        side = self.m.pd
+        c = lambda name, doc, v: CounterMetricFamily(name, doc, value=v)  # noqa: E731
+        if hasattr(side, "rooms"):  # prefill
+            yield c("k3serve_pd_handoffs_staged", "P/D handoffs computed and staged for a decode", side.rooms.handoffs)
+            yield c("k3serve_pd_stage_seconds", "Prompt done to pieces staged, summed", side.rooms.stage_s)
+        elif hasattr(side, "bytes_received"):  # decode
+            yield c("k3serve_pd_handoffs_received", "P/D handoffs pulled and delivered to the engine", side.handoffs)
+            yield c("k3serve_pd_received_bytes", "Bytes of the pieces of those handoffs", side.bytes_received)
+            yield c("k3serve_pd_pull_seconds", "Pull start to every piece here, summed", side.transfer_time_s)

@@ -112,7 +112,7 @@ def serve(args) -> int:
     pd = None
     if not stop.is_set() and getattr(args, "role", "unified") != "unified":
         try:
-            pd = attach_pd(servicer, loop.engine, args, secret=pd_secret)
+            pd = metrics.pd = attach_pd(servicer, loop.engine, args, secret=pd_secret)
         except (OSError, ValueError) as e:
             print(f"k3serve: cannot serve as {args.role}: {e}", file=sys.stderr, flush=True)
             server.server.stop(0)

@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation against one unified server, on the same agentic trace.
 
     k3serve bench pd [--model DIR|demo] [--sessions 8] [--seed 0] [--time-scale 1.0] [--via direct|smg]
-        [--json out.json]
+        [--processes-per-side N --devices-per-side 4 --prefill-recipe R --decode-recipe R] [--json out.json]
     (= python -m k3serve.server.bench.pd ...)
 
 Pass ``unified``: one in-process gRPC server. Pass ``pd``: a ``--role prefill`` and a ``--role
@@ -58,6 +58,12 @@ def main(argv=None) -> int:
     add_trace_flags(ap)
     ap.add_argument("--via", choices=("direct", "smg"), default="direct",
                     help="replay to the servers directly (the replayer dispatches both P/D legs) or through smg")
+    ap.add_argument("--processes-per-side", type=int, default=0,
+                    help="0: both sides in this process, one device each; N >= 1: each side as N `k3serve serve` "
+                         "processes (multi-host when N > 1) over --devices-per-side CPU devices")
+    ap.add_argument("--devices-per-side", type=int, default=4)
+    ap.add_argument("--prefill-recipe", default="ep=4")
+    ap.add_argument("--decode-recipe", default="ep=2,tp=2,dcp=4")
     ap.add_argument("--json", help="also write the report to this file")
     a = ap.parse_args(argv)
 
@@ -90,6 +96,9 @@ def main(argv=None) -> int:
     finally:
         server.shutdown(grace_s=5)
 
+    if a.processes_per_side:
+        report["pd"] = _subprocess_pass(a, model_dir, kw, trace, rkw)
+        return _finish(report, a.json)
     print(f"bench pd: pass 'pd' ({len(trace)} requests)...", file=sys.stderr, flush=True)
     pre = _server(model, kw, "prefill")
     dec = _server(model, kw, "decode")
@@ -114,11 +123,52 @@ def main(argv=None) -> int:
         for server, _, side in (pre, dec):
             server.shutdown(grace_s=5)
             side.stop()
-    p = lambda name, key, q: (report[name][key] or {}).get(q)
+    return _finish(report, a.json)
+
+
+def _finish(report: dict, json_path) -> int:
+    p = lambda name, key, q: (report[name][key] or {}).get(q)  # noqa: E731
     report["figures"] = {f"{k}_{q}_ratio_pd_over_unified": round(p("pd", k, q) / p("unified", k, q), 3)
                          for k in ("ttft_ms", "tpot_ms") for q in ("p50", "p90")
                          if p("pd", k, q) and p("unified", k, q)}
-    return emit(report, a.json)
+    return emit(report, json_path)
+
+
+def _subprocess_pass(a, model_dir, kw, trace, rkw) -> dict:
+    """The pd pass with each side as ``k3serve serve`` subprocesses (``pd_sides.py``)."""
+    from k3serve.server.client.replay import replay
+
+    from .pd_sides import Side, _free_port
+
+    n, dev = a.processes_per_side, a.devices_per_side
+    print(f"bench pd: pass 'pd', {n} process(es) per side, {dev} devices per side ({len(trace)} requests)...",
+          file=sys.stderr, flush=True)
+    flags = ["--max-num-seqs", str(kw["max_num_seqs"]), "--chunk-size", str(kw["chunk_size"]), "--page-size",
+             str(kw["page_size"]), "--max-model-len", str(kw["max_model_len"]), "--max-num-batched-tokens",
+             str(kw["max_num_batched_tokens"])]
+    # a prefill waits for its decode's reservation as long as the trace may take: a CPU
+    # multi-host decode is slow (gloo collectives every step), and the bench measures handoffs
+    pre = Side(model_dir, "prefill", a.prefill_recipe, n, dev, flags + ["--pd-wait", "600"], boot=_free_port())
+    dec = Side(model_dir, "decode", a.decode_recipe, n, dev, flags)
+    try:
+        pre.wait_serving()
+        dec.wait_serving()
+        t = time.perf_counter()
+        res = replay(f"127.0.0.1:{dec.port}", trace, prefill_target=f"127.0.0.1:{pre.port}", bootstrap_port=pre.boot,
+                     **rkw)
+        wall = time.perf_counter() - t
+        cp, cd = pre.counters(), dec.counters()
+    finally:
+        pre.stop()
+        dec.stop()
+    h = max(1.0, cd.get("k3serve_pd_handoffs_received", 0.0))
+    return {**_figures(res), "processes_per_side": n, "devices_per_side": dev, "prefill_recipe": a.prefill_recipe,
+            "decode_recipe": a.decode_recipe, "handoffs": int(cd.get("k3serve_pd_handoffs_received", 0)),
+            "bytes_per_request": round(cd.get("k3serve_pd_received_bytes", 0.0) / h),
+            "pull_ms_mean": round(1e3 * cd.get("k3serve_pd_pull_seconds", 0.0) / h, 3),
+            "stage_ms_mean": round(1e3 * cp.get("k3serve_pd_stage_seconds", 0.0)
+                                   / max(1.0, cp.get("k3serve_pd_handoffs_staged", 0.0)), 3),
+            "wall_s": round(wall, 2)}
 
 
 if __name__ == "__main__":

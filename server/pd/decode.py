@@ -202,8 +202,10 @@ class DecodeSide:
         if not ok:
             raise HandoffError("UNAVAILABLE", f"the KV transfer from {msg.transfer_address} did not complete within "
                                               f"{self.transfer_s:.0f} s (the prefill server may have died)")
+        moved = sum(int(np.prod(sh, dtype=np.int64)) * np.dtype(d).itemsize * target.dest.num_pulls(i)
+                    for i, (sh, d) in enumerate(specs))  # a multi-host decode pulls some pieces more than once
         with self._lock:
-            self.bytes_received += int(msg.nbytes)
+            self.bytes_received += moved
             self.handoffs += 1
             self.transfer_time_s += dt
             self.last_latency_s = dt
