@@ -109,8 +109,15 @@ def build_engine(args, path, dispatch=None):
                  detokenizer=detok, tokenizer=tok, async_scheduling=not args.sync, recipe=args.recipe,
                  max_n=getattr(args, "max_n", 8),
                  dispatch=dispatch, pd_handoff_bytes=pd_handoff_bytes(args), pd_role=getattr(args, "role", None),
-                 pd_transfer_host=getattr(args, "host", "127.0.0.1"),
                  **prefix_kwargs(args), **spec_kwargs(args), **kv)
+    if eng.pd_role is not None and eng.cache_mgr.spans_processes:  # every process of a multi-host P/D side
+        import jax
+
+        from ..engine.cache.handoff_plane import HandoffPlane
+        from ..pd.transfer import TransferEndpoint
+
+        eng.handoff_plane = HandoffPlane(eng.cache_mgr, eng.dispatch,
+                                         TransferEndpoint(args.host, device=jax.local_devices()[0]))
     return eng
 
 

@@ -46,8 +46,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .cache import CacheManager, plan_capacity
-from .request import (CapacityError, EngineError, OutOfRangeError, Request, RequestError, RequestOutput, Status,
-                      next_request_number)
+from .request import (CapacityError, EngineError, HandoffLost, OutOfRangeError, Request, RequestError, RequestOutput,
+                      Status, next_request_number)
 from .runner import Runner
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -64,7 +64,7 @@ class Engine:
                  prefix_second_hit: bool = True, prefix_output_end: bool = True,
                  prefix_snapshots: int | None = None, prefix_cache_bytes: int | None = None,
                  prefix_host_bytes: int = 1 << 30, bucket_growth: int = 8, dispatch=None, pd_handoff_bytes: int = 0,
-                 pd_transfer_host: str = "127.0.0.1", pd_role: str | None = None, abstract: bool = False, speculative: dict | None = None,
+                 pd_role: str | None = None, abstract: bool = False, speculative: dict | None = None,
                  drafter=None, tokenizer=None, max_n: int = 8):
         """``abstract``: build the engine for compiling only (``aot_build``, ``k3serve compile``):
         ``model.params`` are ``ShapeDtypeStruct``s already placed on ``devices`` (by the recipe's
@@ -204,11 +204,9 @@ class Engine:
         self.step_s = 0.0  # wall time inside step(), host work included
         # "prefill" / "decode": the P/D side this engine serves (its handoff programs are warmed)
         self.pd_role = pd_role if pd_role in ("prefill", "decode") else None
-        self.handoff_plane = None  # multi-host P/D: each process's part of every handoff
-        if self.pd_role is not None and not abstract and self.cache_mgr.spans_processes:
-            from .cache.handoff_plane import HandoffPlane
-
-            self.handoff_plane = HandoffPlane(self.cache_mgr, self.dispatch, pd_transfer_host)
+        # multi-host P/D: each process's part of every handoff (cache/handoff_plane.py), set by
+        # whoever builds the engine (api/engine_args.py) on every process alike
+        self.handoff_plane = None
         if warmup and not abstract:
             from .warm_programs import warm_small_programs
 
@@ -407,11 +405,9 @@ class Engine:
         h = req.prefilled
         if h.key is not None:  # multi-host: every process loads the pieces it pulled, or none does
             if self.handoff_plane is None or not self.handoff_plane.load(req.rid, h.key, h.prompt_len):
-                from ..pd.errors import HandoffError
-
                 req.prefilled = None
-                raise HandoffError("UNAVAILABLE", "the KV transfer did not reach every process of this server in "
-                                                  "time (a prefill process may have died)")
+                raise HandoffLost("the KV transfer did not reach every process of this server in time (a prefill "
+                                  "process may have died)")
         else:
             self.cache_mgr.import_request(req.rid, h.arrays, h.prompt_len, h.destination)
         req.prefilled, req.awaiting = None, False

@@ -48,6 +48,12 @@ class CapacityError(RequestError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class HandoffLost(RequestError):
+    """A P/D handoff's arrays did not reach this engine (a prefill process died mid-transfer)."""
+
+    code = "UNAVAILABLE"
+
+
 class EngineError(RuntimeError):
     """A step failed, or the engine is broken by an earlier failed step (an internal error,
     not the request's fault: ``code`` is the gRPC status it maps to)."""

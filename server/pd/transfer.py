@@ -46,16 +46,8 @@ class TransferEndpoint:
                                 for (s, d), dev in zip(specs, devices, strict=True)])
 
 
-def wait_ready(arrays, timeout_s: float, poll_s: float = 0.002) -> bool:
+def wait_ready(arrays, timeout_s: float) -> bool:
     """True once every array is ready; False if ``timeout_s`` passed first."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(arrays)
-    while pending:
-        pending = [a for a in pending if not a.is_ready()]
-        if not pending:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(poll_s)
-        poll_s = min(poll_s * 2, 0.05)
-    return True
+    from ..engine.cache.handoff_plane import all_ready
+
+    return all_ready(arrays, time.monotonic() + timeout_s)

@@ -57,12 +57,13 @@ def dest_from_wire(d: list) -> Destination:
 class HandoffPlane:
     """This process's part of every P/D handoff of a multi-host engine."""
 
-    def __init__(self, cache_mgr, dispatch, host: str = "127.0.0.1"):
-        from ...cluster.runtime import distributed_store
-        from ...pd.transfer import TransferEndpoint
+    def __init__(self, cache_mgr, dispatch, endpoint):
+        """``endpoint``: this process's ``pd.transfer.TransferEndpoint`` (made by the caller: the
+        engine's floor does not know the transfer library's wrapper)."""
+        from ..process_barrier import distributed_store
 
         self.mgr, self.dispatch = cache_mgr, dispatch
-        self.endpoint = TransferEndpoint(host, device=jax.local_devices()[0])
+        self.endpoint = endpoint
         self._exports: dict[int, tuple] = {}
         self._imports: dict[int, tuple] = {}  # key -> (target, {piece: array}, deadline)
         self._lock = threading.Lock()
@@ -83,7 +84,7 @@ class HandoffPlane:
     def addresses(self) -> list[str]:
         """Every process's transfer server address, by process index."""
         if self._addresses is None:
-            from ...cluster.runtime import distributed_store
+            from ..process_barrier import distributed_store
 
             store = distributed_store()
             self._addresses = [store.blocking_key_value_get(_ADDRESS_KEY.format(p), 60_000)
@@ -195,10 +196,8 @@ class HandoffPlane:
         return bool(self.dispatch("pd_load", key, req.slot, tokens))
 
     def _run_load(self, key: int, slot: int, tokens: int) -> bool:
-        from ...pd.transfer import wait_ready
-
         target, pieces, deadline = self._imports.pop(key, (None, {}, 0.0))
-        ok = target is not None and wait_ready(list(pieces.values()), max(0.0, deadline - time.monotonic()))
+        ok = target is not None and all_ready(list(pieces.values()), deadline)
         if not self._agree(ok):
             return False
         self.mgr._load(target.assemble(pieces), target.load_index, target.load_pos0, slot, tokens, "the handoff")
@@ -207,3 +206,18 @@ class HandoffPlane:
     def held(self) -> dict:
         """Handoffs this process holds arrays of (exports not staged yet, pulls not loaded)."""
         return {"exports": len(self._exports), "imports": len(self._imports)}
+
+
+def all_ready(arrays, deadline: float) -> bool:
+    """True once every array is ready; False if the monotonic ``deadline`` passed first."""
+    poll = 0.002
+    pending = list(arrays)
+    while pending:
+        pending = [a for a in pending if not a.is_ready()]
+        if not pending:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll)
+        poll = min(poll * 2, 0.05)
+    return True
