@@ -4,8 +4,8 @@
 ep=2,tp=2,dcp=4``), each process with 2 virtual CPU devices, gloo. Every process of a side
 stages or pulls its own part of each handoff (``server/engine/cache/handoff_plane.py``).
 Completions through smg equal a unified one-device server's for prompts of 3 to 40 tokens
-(pages of 8; the longest spans 3 prefill chunks), and a second turn hits the decode's prefix
-cache; afterwards neither side holds a request, page or P/D queue entry. Then a decode
+(pages of 8; the longest spans 3 prefill chunks), and for a second turn over the longest;
+afterwards neither side holds a request, page or P/D queue entry. Then a decode
 follower is killed mid-request: the client gets UNAVAILABLE within seconds, the decode side
 exits non-zero, and the prefill side frees everything and serves on."""
 from __future__ import annotations
@@ -190,7 +190,7 @@ def test_completions_through_smg_equal_unified(stack, i):
     assert r["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True), \
         (len(ids), log_tail(stack["log"]), stack["dec"].log(0), stack["pre"].log(0))
     assert r["usage"]["prompt_tokens"] == len(ids) and r["usage"]["completion_tokens"] == len(want)
-    if i == len(PROMPTS) - 1:  # a second turn: the decode maps the cached pages of the first
+    if i == len(PROMPTS) - 1:  # a second turn over the first (its decode may map the first's cached pages)
         assert len(ids) > 32  # several prefill chunks of 16
         prompt2 = prompt + r["choices"][0]["text"] + "\n    return 0"
         want2 = _unified(stack, tok.encode(prompt2), 6)
