@@ -4,8 +4,8 @@
 ep=2,tp=2,dcp=4``), each process with 2 virtual CPU devices, gloo. Every process of a side
 stages or pulls its own part of each handoff (``server/engine/cache/handoff_plane.py``).
 Completions through smg equal a unified one-device server's for prompts of 3 to 40 tokens
-(pages of 8; the longest spans 3 prefill chunks), and for a second turn over the longest;
-afterwards neither side holds a request, page or P/D queue entry. Then a decode
+(pages of 8; the longest spans 3 prefill chunks), and for a second turn over the longest,
+whose first pages the decode maps from its own prefix cache; afterwards neither side holds a request, page or P/D queue entry. Then a decode
 follower is killed mid-request: the client gets UNAVAILABLE within seconds, the decode side
 exits non-zero, and the prefill side frees everything and serves on."""
 from __future__ import annotations
@@ -88,7 +88,7 @@ class Side:
         import urllib.request
 
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
-        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(k3serve_pd_\w+?)_total (\S+)$", text, re.M)}
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(k3serve_\w+?)_total (\S+)$", text, re.M)}
 
     def idle(self) -> bool:
         ld = self.stub.GetLoads(pb.GetLoadsRequest(), timeout=10).loads[0]
@@ -190,12 +190,14 @@ def test_completions_through_smg_equal_unified(stack, i):
     assert r["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True), \
         (len(ids), log_tail(stack["log"]), stack["dec"].log(0), stack["pre"].log(0))
     assert r["usage"]["prompt_tokens"] == len(ids) and r["usage"]["completion_tokens"] == len(want)
-    if i == len(PROMPTS) - 1:  # a second turn over the first (its decode may map the first's cached pages)
+    if i == len(PROMPTS) - 1:  # a second turn over the first: the decode maps the first's cached pages
         assert len(ids) > 32  # several prefill chunks of 16
         prompt2 = prompt + r["choices"][0]["text"] + "\n    return 0"
         want2 = _unified(stack, tok.encode(prompt2), 6)
+        hit = stack["dec"].counters().get("k3serve_prefix_kv_hit_tokens", 0)
         r2 = _post(stack["base"] + "/v1/completions", {**body, "prompt": prompt2, "max_tokens": 6})
         assert r2["choices"][0]["text"] == tok.decode(want2, skip_special_tokens=True)
+        assert stack["dec"].counters()["k3serve_prefix_kv_hit_tokens"] - hit >= 32  # whole pages of the first turn
     for side in (stack["pre"], stack["dec"]):
         _until(side.idle, 30, "a side still holds requests")
     # the leaders count what went through them (Prometheus): one handoff more on each side
