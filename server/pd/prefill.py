@@ -28,7 +28,7 @@ import grpc
 from . import bootstrap_pb2 as pb
 from . import bootstrap_pb2_grpc as pb_grpc
 from ...intmath import cdiv
-from ..engine.cache.deal import cut_pieces, pull_uuid
+from ..engine.cache.deal import cut_pieces, stage_pulls
 from .auth import BootstrapAuth
 from .budget import HandoffBudget, nbytes_of
 from .errors import HandoffError
@@ -306,9 +306,7 @@ class PrefillSide:
         else:
             pieces = cut_pieces(h.arrays, room.dest, self.devices)
             if room.dest.pulls:  # a multi-host decode: each piece once per process that pulls it
-                for i, piece in enumerate(pieces):
-                    for k in range(room.dest.num_pulls(i)):
-                        self.transfer.stage(pull_uuid(uuid, i, k), [piece], self.stage_s)
+                stage_pulls(self.transfer, dict(enumerate(pieces)), room.dest, uuid, self.stage_s)
                 addresses = [self.transfer.address] * len(pieces)
             else:
                 self.transfer.stage(uuid, pieces, self.stage_s)

@@ -95,18 +95,20 @@ class Destination:
 
 def cut_pieces(arrays, dest: Destination, devices) -> list:
     """The prefill's side: the export ``(state, conv, rows)`` cut into ``dest``'s pieces, each
-    a single-device array (piece r of each kind on ``devices[r % len(devices)]``)."""
+    a single-device array on its device of :func:`piece_devices`."""
+    return [jax.device_put(_cut(i, arrays, dest), dev) for i, dev in enumerate(piece_devices(dest, devices))]
+
+
+def _cut(i: int, arrays, dest: Destination):
+    """Piece ``i`` of ``dest`` out of the export ``(state, conv, rows)``: the conv windows, a
+    head range of the state, or a DCP rank's pages (padding pages: past the end, zeros)."""
     state, conv, rows = arrays
-    n = len(devices)
-    out = [jax.device_put(conv, devices[0])]
-    for r, h0 in enumerate(dest.head_starts):
-        out.append(jax.device_put(_heads(state, jnp.int32(h0), dest.head_count), devices[r % n]))
-    P_ = rows.shape[1]
-    for r in dest.sent_ranks:
-        pages = dest.page_lists[r]
-        idx = np.asarray([k if k >= 0 else P_ for k in pages], np.int32)  # past the end: zeros
-        out.append(jax.device_put(_pages(rows, jnp.asarray(idx)), devices[r % n]))
-    return out
+    if i == 0:
+        return conv
+    if i <= len(dest.head_starts):
+        return _heads(state, jnp.int32(dest.head_starts[i - 1]), dest.head_count)
+    pages = dest.page_lists[dest.sent_ranks[i - 1 - len(dest.head_starts)]]
+    return _pages(rows, jnp.asarray(np.asarray([k if k >= 0 else rows.shape[1] for k in pages], np.int32)))
 
 
 def piece_devices(dest: Destination, devices) -> list:
@@ -132,21 +134,17 @@ def cut_local_pieces(arrays, dest: Destination, devices) -> dict:
     """A multi-process prefill's side: ``{piece index: piece}`` for the pieces whose device
     (:func:`piece_devices`) is this process's, cut from this process's whole copy of the
     export (``CacheManager.export_request`` replicates it on every device under multi-host)."""
-    state, conv, rows = (a.addressable_shards[0].data for a in arrays)  # whole: the export is replicated
-    out = {}
-    P_ = rows.shape[1]
-    for i, dev in enumerate(piece_devices(dest, devices)):
-        if dev.process_index != jax.process_index():
-            continue
-        if i == 0:
-            out[i] = jax.device_put(conv, dev)
-        elif i <= len(dest.head_starts):
-            out[i] = jax.device_put(_heads(state, jnp.int32(dest.head_starts[i - 1]), dest.head_count), dev)
-        else:
-            pages = dest.page_lists[dest.sent_ranks[i - 1 - len(dest.head_starts)]]
-            idx = np.asarray([k if k >= 0 else P_ for k in pages], np.int32)
-            out[i] = jax.device_put(_pages(rows, jnp.asarray(idx)), dev)
-    return out
+    local = tuple(a.addressable_shards[0].data for a in arrays)  # whole: the export is replicated
+    return {i: jax.device_put(_cut(i, local, dest), dev) for i, dev in enumerate(piece_devices(dest, devices))
+            if dev.process_index == jax.process_index()}
+
+
+def stage_pulls(endpoint, pieces: dict, dest: Destination, uuid: int, timeout_s: float) -> None:
+    """Stage each of ``pieces`` (``{piece index: array}``) once per decode process that pulls
+    it (``dest.pulls``), each under its own id (:func:`pull_uuid`): a staged array is pulled once."""
+    for i, piece in pieces.items():
+        for k in range(dest.num_pulls(i)):
+            endpoint.stage(pull_uuid(uuid, i, k), [piece], timeout_s)
 
 
 def pull_uuid(uuid: int, piece: int, reader: int) -> int:

@@ -36,7 +36,7 @@ import time
 import jax
 import numpy as np
 
-from .deal import Destination, HandoffTarget, cut_local_pieces, piece_devices, pull_uuid
+from .deal import Destination, HandoffTarget, cut_local_pieces, piece_devices, pull_uuid, stage_pulls
 
 _ADDRESS_KEY = "k3serve/pd/transfer/{}"
 
@@ -147,9 +147,7 @@ class HandoffPlane:
         if arrays is None:
             return
         dest = dest_from_wire(dest)
-        for i, piece in cut_local_pieces(arrays, dest, self._stage_devices()).items():
-            for k in range(dest.num_pulls(i)):
-                self.endpoint.stage(pull_uuid(uuid, i, k), [piece], timeout_s)
+        stage_pulls(self.endpoint, cut_local_pieces(arrays, dest, self._stage_devices()), dest, uuid, timeout_s)
 
     def drop(self, key: int) -> None:
         self.dispatch("pd_drop", key)
@@ -203,9 +201,6 @@ class HandoffPlane:
         self.mgr._load(target.assemble(pieces), target.load_index, target.load_pos0, slot, tokens, "the handoff")
         return True
 
-    def held(self) -> dict:
-        """Handoffs this process holds arrays of (exports not staged yet, pulls not loaded)."""
-        return {"exports": len(self._exports), "imports": len(self._imports)}
 
 
 def all_ready(arrays, deadline: float) -> bool:
