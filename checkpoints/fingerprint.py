@@ -10,8 +10,10 @@ be read in milliseconds and still tells checkpoints apart:
   sha256 of three 64 KiB samples of its data (start, middle, end), which differ between two
   trainings of the same architecture;
 - a pre-shard (``k3serve preshard``): its config, dtype and every stored array's shape,
-  dtype and sha256, as its manifest records them (not the recipe or the part numbers: a copy
-  laid out for another recipe holds the same weights);
+  dtype and checksum (``sum64``, which neither the recipe nor the number of processes that
+  wrote it changes; ``sha256`` for a pre-shard of an older k3serve), as its manifest records
+  them (not the recipe or the part numbers: a copy laid out for another recipe holds the same
+  weights);
 - the embedded demo: it is a safetensors checkpoint in the cache like any other.
 
 Two copies of one checkpoint at different paths have equal fingerprints.
@@ -60,7 +62,8 @@ def model_fingerprint(path) -> dict:
             return {"kind": "preshard", "error": str(err).replace(str(p), "DST"),
                     "manifest": (p / MANIFEST).is_file()}
         return {"kind": "preshard", "config": man["config"], "dtype": man["dtype"],
-                "leaves": {k: [v["sha256"], v["dtype"], v["shape"]] for k, v in sorted(man["leaves"].items())}}
+                "leaves": {k: [v.get("sum64", v.get("sha256")), v["dtype"], v["shape"]]
+                           for k, v in sorted(man["leaves"].items())}}
     root = p.parent if p.is_file() else p
     files = [p] if p.is_file() else sorted(f for f in root.glob("*.safetensors") if f.is_file())
     return {"kind": "safetensors", "config": _config(root), "files": [_safetensors_file(f) for f in files]}

@@ -18,9 +18,21 @@ manifest is written last; until it exists the directory is not a checkpoint a lo
 
 The destination is only ever deleted when it is a pre-shard (``--overwrite``); a folder that
 is something else, or that holds the source, is refused with nothing in it touched.
+
+**Several processes** (``jax.distributed`` initialised, the recipe's mesh spanning them): each
+process reads from the source only the slices its own devices hold (lazy tensors, as a
+multi-process safetensors load does; a tensor a conversion needs whole is read whole), and
+Orbax's multi-process save writes each shard from the process that holds it. Each leaf's
+``sum64`` (``preshard_format.sum64``) is summed from the processes' partial sums over their
+shards, and each process records the sha256 of every source slice it read; both are
+exchanged through the distributed runtime's key-value store before a part is saved, so every
+process passes the same metadata. Process 0 alone removes (``--overwrite``, a resume's
+half-written part) and writes the manifest and the side files, between barriers. The
+destination must be one folder every process sees (a shared file system or a bucket).
 """
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import time
@@ -31,7 +43,8 @@ import numpy as np
 
 from .preshard_load import release_freed_memory
 from .preshard_format import (FORMAT, MANIFEST, PARTS, TRANSFORMS_VERSION, PreshardError, digest, identity_diff,
-                              is_preshard, leaf_key, nest, run_identity, write_json_atomic)
+                              is_preshard, leaf_key, nest, run_identity, slice_key, sum64, sum64_hex,
+                              write_json_atomic)
 
 DEFAULT_CHUNK_MB = 32  # storage chunks: a restore on another recipe reads these, not whole saved shards
 
@@ -47,41 +60,40 @@ def _orbax_context(chunk_bytes: int, inflight_bytes: int):
                                                          transfer_concurrent_bytes=inflight_bytes))
 
 
-def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+def _check_destination(src: Path, dst: Path, overwrite: bool) -> bool:
     """Refuse, before anything is written or removed, a ``dst`` that holds the source, that
-    is not a pre-shard and not empty, or that is a complete pre-shard (without ``overwrite``);
-    with ``overwrite``, remove a pre-shard (and only that)."""
+    is not a pre-shard and not empty, or that is a complete pre-shard (without ``overwrite``).
+    Returns whether ``dst`` is a pre-shard to remove (``overwrite``; never anything else)."""
     s, d = src.resolve(), dst.resolve()
     if s == d or d in s.parents:
         raise PreshardError(f"{dst}: holds the source {src}; choose a destination outside it (nothing was touched)")
     if not dst.exists():
-        return
+        return False
     if not dst.is_dir():
         raise PreshardError(f"{dst}: exists and is not a folder (nothing was touched)")
     if not is_preshard(dst):
         if any(dst.iterdir()):
             raise PreshardError(f"{dst}: exists and is not a pre-sharded checkpoint; choose an empty or new folder "
                                 "(nothing in it was touched; --overwrite replaces only a pre-shard)")
-        return
+        return False
     if (dst / MANIFEST).exists() and not overwrite:
         raise PreshardError(f"{dst}: a complete pre-sharded checkpoint is already there (pass --overwrite "
                             "to replace it)")
-    if overwrite:
-        shutil.rmtree(dst)
+    return overwrite
 
 
-def _committed_parts(parts_dir: Path, identity: dict) -> tuple[dict, dict, int]:
+def _committed_parts(parts_dir: Path, identity: dict) -> tuple[dict, dict, int, list]:
     """Leaves and source hashes of the parts an earlier run committed, which must have been
     written by a run of the same ``identity`` (else :class:`PreshardError`, naming what
-    differs, and nothing is removed); then removes anything else (an interrupted part's
-    temporary folder). Returns (leaves, sources, next part number)."""
+    differs). Returns (leaves, sources, next part number, what else is there to remove: an
+    interrupted part's temporary folder)."""
     import orbax.checkpoint as ocp
 
     leaves: dict = {}
     sources: dict = {}
     nxt = 0
     if not parts_dir.is_dir():
-        return leaves, sources, nxt
+        return leaves, sources, nxt, []
     entries = sorted(parts_dir.iterdir())
     committed = [p for p in entries if p.name.isdigit() and ocp.v1.is_orbax_checkpoint(p)]
     for p in committed:
@@ -97,14 +109,70 @@ def _committed_parts(parts_dir: Path, identity: dict) -> tuple[dict, dict, int]:
             leaves[k] = dict(v, part=p.name)
         sources.update(meta.get("sources", {}))
         nxt = max(nxt, int(p.name) + 1)
-    for p in entries:
-        if p in committed:
-            continue
+    return leaves, sources, nxt, [p for p in entries if p not in committed]
+
+
+def _remove(paths) -> None:
+    for p in paths:
         if p.is_dir():
             shutil.rmtree(p)
-        else:
+        elif p.exists():
             p.unlink()
-    return leaves, sources, nxt
+
+
+class _Processes:
+    """What the processes of a multi-process pre-shard share: barriers and an all-gather of
+    small JSON values, both through the distributed runtime's key-value store (no device
+    collective). With one process both are trivial."""
+
+    def __init__(self, timeout_s: float = 1800.0):
+        import jax
+
+        self.index, self.count = jax.process_index(), jax.process_count()
+        self.timeout_ms = int(timeout_s * 1000)
+        self.client = None
+        if self.count > 1:
+            from jax._src import distributed
+
+            self.client = distributed.global_state.client
+
+    @property
+    def lead(self) -> bool:
+        return self.index == 0
+
+    def barrier(self, tag: str) -> None:
+        if self.client is not None:
+            self.client.wait_at_barrier(f"k3serve/preshard/{tag}", self.timeout_ms)
+
+    def gather(self, tag: str, value) -> list:
+        """Every process's ``value`` (JSON), in process order."""
+        if self.client is None:
+            return [value]
+        self.client.key_value_set(f"k3serve/preshard/{tag}/{self.index}", json.dumps(value))
+        return [json.loads(self.client.blocking_key_value_get(f"k3serve/preshard/{tag}/{i}", self.timeout_ms))
+                for i in range(self.count)]
+
+
+class _Recorded:
+    """A source tensor read lazily (``safetensors_io.LazyTensor``) whose every read is handed
+    to ``record(key, array)`` (``slice_key``: the tensor's name, with the slice when not
+    whole): in a multi-process run each process hashes the slices it reads."""
+
+    unread = True  # the weight loader keeps it unread until a device takes its slice
+
+    def __init__(self, lazy, name: str, record):
+        self.lazy, self.name, self.record = lazy, name, record
+        self.shape, self.dtype, self.ndim = lazy.shape, lazy.dtype, lazy.ndim
+
+    def __array__(self, dtype=None, copy=None):
+        a = np.asarray(self.lazy)
+        self.record(self.name, a)
+        return a if dtype is None else a.astype(dtype)
+
+    def __getitem__(self, index):
+        a = self.lazy[index]
+        self.record(slice_key(self.name, index, self.shape), a)
+        return a
 
 
 class _Progress:
@@ -160,8 +228,10 @@ def preshard(src, dst, *, recipe=None, dtype: str = "float32", max_memory_gb: fl
              chunk_mb: int = DEFAULT_CHUNK_MB, overwrite: bool = False, progress: bool = False,
              on_part: Callable[[str], None] | None = None) -> dict:
     """Write ``src`` (a safetensors checkpoint directory) to ``dst`` for ``recipe`` (a recipe
-    string or :class:`Recipe`; None: one device). Returns the manifest. ``on_part(name)`` is
-    called after each part is committed (tests interrupt a run there)."""
+    string or :class:`Recipe`; None: one device). Returns the manifest, plus ``this_process``
+    (what this process read of the source; not in the file). ``on_part(name)`` is called after
+    each part is committed (tests interrupt a run there). With ``jax.distributed`` initialised,
+    every process calls it alike (see the module doc)."""
     import jax
     from flax import nnx
     from jax.sharding import SingleDeviceSharding
@@ -169,18 +239,27 @@ def preshard(src, dst, *, recipe=None, dtype: str = "float32", max_memory_gb: fl
     from ..model.config import K3Config
     from ..model.k3 import KimiLM
     from ..model.pretrained import resolve_dtype
-    from ..model.weights import _row_sharding, load_weights
+    from ..model.weights import _placed, _row_sharding, load_weights
     from ..sharding.mesh import build_mesh, placement_for
     from ..sharding.recipe import Recipe
     from .safetensors_io import open_checkpoint
     import orbax.checkpoint as ocp
 
-    src, dst = Path(src), Path(dst)
-    _check_destination(src, dst, overwrite)
+    src, dst = Path(src), Path(dst).absolute()  # Orbax takes absolute paths only
+    procs = _Processes()
+    spans = procs.count > 1
+    remove = _check_destination(src, dst, overwrite)  # every process checks before any removes
+    procs.barrier("checked")
+    if remove and procs.lead:
+        shutil.rmtree(dst)
+    procs.barrier("cleared")
     dt = resolve_dtype(dtype)
     with open_checkpoint(src) as ckpt:
         cfg = K3Config.from_dict(ckpt.config).replace(kernels="reference")
         rec = Recipe.parse(recipe).validate(cfg) if recipe is not None else None
+        if spans and rec is None:
+            raise PreshardError(f"a pre-shard by {procs.count} processes needs a recipe whose mesh spans them "
+                                "(--recipe)")
         if rec is not None and rec.devices > len(jax.devices()):
             raise PreshardError(f"recipe {rec} needs {rec.devices} devices, this process sees {len(jax.devices())} "
                                 f"(on a CPU host: k3serve preshard --devices {rec.devices})")
@@ -193,15 +272,19 @@ def preshard(src, dst, *, recipe=None, dtype: str = "float32", max_memory_gb: fl
                                 layout=str(rec) if rec else None, experts=experts, chunk_mb=chunk_mb)
 
         parts_dir = dst / PARTS
-        done, sources, number = _committed_parts(parts_dir, identity)
-        parts_dir.mkdir(parents=True, exist_ok=True)
+        done, sources, number, junk = _committed_parts(parts_dir, identity)
+        procs.barrier("resumed")  # every process has read the committed parts before any removal
+        if procs.lead:
+            _remove(junk)
+            parts_dir.mkdir(parents=True, exist_ok=True)
+        procs.barrier("ready")
         resumed = len(done)
         budget = int(max_memory_gb * 2**30)
-        bar = _Progress(ckpt.nbytes, progress)
+        bar = _Progress(ckpt.nbytes, progress and procs.lead)
         batch: dict = {}
         batch_meta: dict = {}
         batch_sources: dict = {}
-        held = [0]
+        held = [0.0]
         specs: dict = {}
 
         def flush():
@@ -209,16 +292,26 @@ def preshard(src, dst, *, recipe=None, dtype: str = "float32", max_memory_gb: fl
             if not batch:
                 return
             name = f"{number:05d}"
+            if spans:  # every process passes the same metadata: the leaves' sums and all sources
+                mine = {"sums": {k: v.pop("sum64_part") for k, v in batch_meta.items()}, "sources": batch_sources}
+                everyone = procs.gather(f"part/{name}", mine)
+                for k, v in batch_meta.items():
+                    v["sum64"] = sum64_hex(sum(int(o["sums"][k]) for o in everyone))
+                merged: dict = {}
+                for o in everyone:
+                    merged.update(o["sources"])
+                batch_sources.clear()
+                batch_sources.update(merged)
             with _orbax_context(chunk_mb * 2**20, max(budget // 4, 1 << 20)):
                 ocp.v1.save_pytree(parts_dir / name, nest(batch), custom_metadata={
                     "format": FORMAT, "run": identity, "leaves": batch_meta, "sources": batch_sources})
             for k, v in batch_meta.items():
                 done[k] = dict(v, part=name)
             sources.update(batch_sources)
-            bar.part(name, len(batch), held[0])
+            bar.part(name, len(batch), int(held[0]))
             batch.clear(), batch_meta.clear(), batch_sources.clear()
             release_freed_memory()
-            held[0] = 0
+            held[0] = 0.0
             number += 1
             if on_part is not None:
                 on_part(name)
@@ -230,51 +323,74 @@ def preshard(src, dst, *, recipe=None, dtype: str = "float32", max_memory_gb: fl
                            for s in getattr(sharding, "spec", ())]
             if key in done:
                 return
-            want = shape if row is None else shape[1:]
-            a = np.asarray(host).astype(pdtype)
-            if a.shape != tuple(want):  # load_weights checked the tensors; this guards the sink itself
-                raise PreshardError(f"{key}: converted to shape {list(a.shape)}, expected {list(want)}")
+            want = tuple(shape if row is None else shape[1:])
             if row is not None:
                 sharding = _row_sharding(sharding)
-            arr = jax.make_array_from_callback(tuple(want), sharding, lambda idx: a[idx], dtype=pdtype)
+            if spans:  # each process reads and sums only its devices' slices
+                arr = _placed(host, want, pdtype, sharding)
+                if arr.shape != want:
+                    raise PreshardError(f"{key}: converted to shape {list(arr.shape)}, expected {list(want)}")
+                part = sum(sum64(np.asarray(s.data), [i.start or 0 for i in s.index], want)
+                           for s in arr.addressable_shards if s.replica_id == 0)
+                meta = {"shape": list(want), "dtype": np.dtype(pdtype).name, "sum64_part": str(part)}
+            else:
+                a = np.asarray(host).astype(pdtype)
+                if a.shape != want:  # load_weights checked the tensors; this guards the sink itself
+                    raise PreshardError(f"{key}: converted to shape {list(a.shape)}, expected {list(want)}")
+                arr = jax.make_array_from_callback(want, sharding, lambda idx: a[idx], dtype=pdtype)
+                meta = {"shape": list(want), "dtype": np.dtype(pdtype).name, "sha256": digest(a),
+                        "sum64": sum64_hex(sum64(a))}
             batch[key] = arr
-            batch_meta[key] = {"shape": list(want), "dtype": np.dtype(pdtype).name, "sha256": digest(a)}
-            held[0] += sum(s.data.nbytes for s in arr.addressable_shards)
+            batch_meta[key] = meta
+            # every device's copy, counted alike by every process (the same flushes everywhere)
+            held[0] += (len(sharding.device_set) * int(np.prod(sharding.shard_shape(want), dtype=np.int64))
+                        * np.dtype(pdtype).itemsize / procs.count)
             if held[0] >= budget // 4:
                 flush()
 
+        def record(key, a):
+            h = digest(a)
+            if sources.get(key, h) != h:  # same files and sizes, other contents
+                name = key.partition("[")[0]
+                raise PreshardError(f"{src}: tensor {name!r} differs from the one the earlier run pre-sharded "
+                                    f"into {dst}; pass --overwrite to start over")
+            batch_sources[key] = h
+            bar.read(a.nbytes)
+
         def reader(name):
+            if spans:
+                return lambda: _Recorded(ckpt.lazy(name), name, record)
+
             def read():
                 a = np.asarray(ckpt.lazy(name))  # the whole tensor, read once: hashed, then converted
-                h = digest(a)
-                if sources.get(name, h) != h:  # same files and sizes, other contents
-                    raise PreshardError(f"{src}: tensor {name!r} differs from the one the earlier run pre-sharded "
-                                        f"into {dst}; pass --overwrite to start over")
-                batch_sources[name] = h
-                bar.read(a.nbytes)
+                record(name, a)
                 return a
             return read
 
         try:
             tensors = ((n, reader(n), ckpt.shape(n)) for n in ckpt.keys())
-            load_weights(module, cfg, tensors, source=str(src), sink=sink)
+            # with several processes, a placement keeps routed experts unread until each device takes its slice
+            load_weights(module, cfg, tensors, source=str(src), sink=sink, placement=place if spans else None)
             flush()
         finally:
             bar.close()
         source_bytes = ckpt.nbytes
+        read_bytes = ckpt.bytes_read
 
-    _copy_side_files(src, dst)
     from .. import __version__
 
     manifest = {
         "format": FORMAT, "transforms_version": TRANSFORMS_VERSION, "k3serve_version": __version__,
         "config": ckpt.config, "dtype": dt.name,
         "experts": experts, "run": identity,
-        "recipe": rec.describe() if rec else None, "chunk_mb": chunk_mb,
+        "recipe": rec.describe() if rec else None, "chunk_mb": chunk_mb, "processes": procs.count,
         "source": {"files": files, "bytes": source_bytes, "tensors": dict(sorted(sources.items()))},
         "param_specs": dict(sorted(specs.items())),
         "leaves": dict(sorted(done.items())),
         "resumed_leaves": resumed,
     }
-    write_json_atomic(dst / MANIFEST, manifest)
-    return manifest
+    if procs.lead:
+        _copy_side_files(src, dst)
+        write_json_atomic(dst / MANIFEST, manifest)
+    procs.barrier("manifest")  # no process reports done before the pre-shard is complete
+    return dict(manifest, this_process={"process": procs.index, "source_bytes_read": read_bytes})

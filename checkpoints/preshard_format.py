@@ -116,6 +116,82 @@ def digest(host: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(host).view(np.uint8).reshape(-1).data).hexdigest()
 
 
+_MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9)
+_ROWS = 1 << 14  # rows of a block contracted at once (bounds the uint64 temporaries)
+
+
+def sum64(block: np.ndarray, starts=None, shape=None) -> int:
+    """A leaf's checksum that any partition of it can compute: the sum, modulo 2**64, over its
+    elements of (the element's bits + 1) times the product of one odd weight per axis, mixed
+    from the element's index on that axis (and the axis). ``block`` sits at ``starts`` (its
+    first index on every axis) in an array of ``shape`` (default: ``block`` is the whole
+    array). The partial sums of disjoint blocks that cover the array add up (mod 2**64) to the
+    whole array's: what the processes of a multi-process pre-shard compute for their own
+    shards, and what ``verify`` and a one-process pre-shard compute whole, whatever the
+    recipe. Any one changed element changes it (the weights are odd); it is a checksum
+    against corruption, not a cryptographic hash. The weights being per axis, it is a chain
+    of contractions (about 2 GB/s of uint8 on one core)."""
+    block = np.ascontiguousarray(block)
+    shape = tuple(block.shape) if shape is None else tuple(shape)
+    starts = (0,) * len(shape) if starts is None else tuple(starts)
+    bits = block.reshape(-1).view(f"u{block.dtype.itemsize}").reshape(block.shape)
+    if bits.size == 0:
+        return 0
+    if bits.ndim == 0:
+        return int(bits) + 1
+    ws = [_weights(np.arange(starts[k], starts[k] + bits.shape[k], dtype=np.uint64), k) for k in range(bits.ndim)]
+    ones = 1
+    for w in ws:  # the "+ 1" of every element: the product of the weights' sums
+        ones = ones * int(np.sum(w, dtype=np.uint64)) % (1 << 64)
+    last = bits.reshape(-1, bits.shape[-1])
+    acc = np.empty(last.shape[0], np.uint64)
+    for r0 in range(0, last.shape[0], _ROWS):
+        acc[r0:r0 + _ROWS] = np.einsum("ij,j->i", last[r0:r0 + _ROWS], ws[-1], dtype=np.uint64)
+    acc = acc.reshape(bits.shape[:-1])
+    for w in reversed(ws[:-1]):
+        acc = np.einsum("...j,j->...", acc, w, dtype=np.uint64)
+    return (int(acc) + int(ones)) % (1 << 64)
+
+
+def _weights(idx: np.ndarray, axis: int) -> np.ndarray:
+    x = (idx + np.uint64(axis * 0x632BE59BD9B4E019 % (1 << 64))) * _MIX1
+    x ^= x >> np.uint64(31)
+    x *= _MIX2
+    x ^= x >> np.uint64(29)
+    return x | np.uint64(1)
+
+
+def sum64_hex(value: int) -> str:
+    return f"{value % (1 << 64):016x}"
+
+
+def slice_key(name: str, index, shape) -> str:
+    """The name under which a slice of source tensor ``name`` is recorded: ``name`` for the
+    whole tensor, else ``name[a:b,c:d]`` (every axis, plain slices)."""
+    index = index if isinstance(index, tuple) else (index,)
+    index = index + (slice(None),) * (len(shape) - len(index))
+    spans = []
+    for i, n in zip(index, shape):
+        if isinstance(i, slice):
+            a, b, step = i.indices(n)
+            if step != 1:
+                raise ValueError(f"slice {i} of {name!r} has a step")
+        else:
+            a, b = int(i), int(i) + 1
+        spans.append((a, max(a, b)))
+    if all(s == (0, n) for s, n in zip(spans, shape)):
+        return name
+    return f"{name}[{','.join(f'{a}:{b}' for a, b in spans)}]"
+
+
+def parse_slice_key(key: str) -> tuple[str, tuple | None]:
+    """``slice_key``'s inverse: (tensor name, tuple of slices, or None for the whole)."""
+    if not key.endswith("]") or "[" not in key:
+        return key, None
+    name, _, spans = key[:-1].rpartition("[")
+    return name, tuple(slice(int(a), int(b)) for a, b in (s.split(":") for s in spans.split(",")))
+
+
 def read_manifest(path) -> dict:
     """The manifest of a complete pre-sharded checkpoint; a clear error for anything else."""
     p = Path(path)

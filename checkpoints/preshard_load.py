@@ -154,7 +154,7 @@ def restore_into(module, path, placement=None, *, max_memory_gb: float = 0.5) ->
 
     from ..model.weights import _all_params, _row_sharding, _set_row, _zeros
 
-    path = Path(path)
+    path = Path(path).absolute()  # Orbax takes absolute paths only
     t0 = time.perf_counter()
     man = read_manifest(path)
     params = _all_params(module)

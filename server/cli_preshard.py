@@ -2,10 +2,13 @@
 
     k3serve preshard SRC DST [--recipe R] [--devices N] [--dtype float32|bfloat16]
                      [--max-memory-gb G] [--chunk-mb M] [--overwrite] [--quiet] [--json]
+                     [--coordinator H:P --num-processes N --process-id I | --distributed auto]
     k3serve preshard verify DST [--source SRC] [--json]
 
 On a host without accelerators the recipe's devices are virtual CPU devices (``--devices``,
-default the recipe's ep × tp): this step needs only the CPU. See docs/preshard.md.
+default the recipe's ep × tp, divided among the processes): this step needs only the CPU.
+With several processes (one per host), each reads only its devices' slices of the source and
+writes only their shards into DST, which every process must see. See docs/preshard.md.
 """
 from __future__ import annotations
 
@@ -34,6 +37,12 @@ def _parser() -> argparse.ArgumentParser:
                    "is refused untouched)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
+    g = p.add_argument_group("several processes (one per host; every process runs the same command)")
+    g.add_argument("--coordinator", default=None, help="HOST:PORT of JAX's coordination service (process 0 hosts it)")
+    g.add_argument("--num-processes", type=int, default=None, help="processes writing the pre-shard")
+    g.add_argument("--process-id", type=int, default=None, help="this process")
+    g.add_argument("--distributed", choices=["auto"], default=None,
+                   help="auto: let jax.distributed.initialize() find the slice (TPU VMs)")
     return p
 
 
@@ -82,7 +91,25 @@ def main(argv: list[str]) -> int:
     except RecipeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    _virtual_devices(args.devices or (recipe.devices if recipe else None))
+    procs = args.num_processes or 1
+    if args.coordinator or args.num_processes or args.process_id is not None or args.distributed:
+        if recipe is None:
+            print("error: a pre-shard by several processes needs --recipe (the mesh they share)", file=sys.stderr)
+            return 2
+        if args.distributed is None and recipe.devices % procs:
+            print(f"error: recipe {recipe} has {recipe.devices} devices, not a multiple of --num-processes {procs}",
+                  file=sys.stderr)
+            return 2
+        _virtual_devices(args.devices or recipe.devices // procs)
+        from .cluster.runtime import init_distributed
+
+        try:
+            init_distributed(args.coordinator, args.num_processes, args.process_id, auto=args.distributed == "auto")
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    else:
+        _virtual_devices(args.devices or (recipe.devices if recipe else None))
     from ..checkpoints.preshard import preshard
 
     t = time.perf_counter()
@@ -96,8 +123,12 @@ def main(argv: list[str]) -> int:
     gb = man["source"]["bytes"] / 1e9
     summary = {"dst": str(args.dst), "arrays": len(man["leaves"]), "resumed_arrays": man["resumed_leaves"],
                "source_gb": round(gb, 4), "seconds": round(dt, 2), "s_per_gb": round(dt / max(gb, 1e-9), 2),
-               "recipe": (man["recipe"] or {}).get("spec")}
+               "recipe": (man["recipe"] or {}).get("spec"), "processes": man["processes"],
+               **man["this_process"]}
+    mine = man["this_process"]
     print(json.dumps(summary) if args.json else
           f"pre-sharded {gb:.3f} GB into {len(man['leaves'])} arrays at {args.dst} in {dt:.1f} s "
-          f"({summary['s_per_gb']} s/GB; {man['resumed_leaves']} arrays resumed)")
+          f"({summary['s_per_gb']} s/GB; {man['resumed_leaves']} arrays resumed)"
+          + (f"; process {mine['process']} of {man['processes']} read {mine['source_bytes_read'] / 1e9:.3f} GB of "
+             "the source" if man["processes"] > 1 else ""))
     return 0

@@ -64,22 +64,12 @@ def test_restore_is_bit_identical_to_a_safetensors_load(trips, trip):
     assert r["tokens"] == r["tokens_src"] and len(r["tokens"]) == 6, r
 
 
-@pytest.mark.slow
-def test_two_processes_restore_and_each_reads_about_its_share(src, tmp_path):
-    """Pre-shard for ``ep=8,tp=1`` (the CLI, 8 virtual devices), then restore it under the same
-    recipe in two processes of four devices each: every shard equals a safetensors load's,
-    and each process's read syscalls return well under the checkpoint (its half, plus
-    metadata and the arrays both halves hold)."""
-    dst = tmp_path / "a"
-    r = subprocess.run([sys.executable, "-m", "k3serve.server.cli", "preshard", src, str(dst), "--recipe", A,
-                        "--quiet"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_preshard_multiprocess.py"), src, str(dst), A,
-                               str(port), str(i), "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
+def run_processes(argvs: list, timeout: float = 600) -> list:
+    """Run the commands at once; returns (returncode, last JSON line of stdout or None, stderr)
+    per command, killing whatever is left at the end."""
+    procs = [subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for a in argvs]
     try:
-        outs = [p.communicate(timeout=600) for p in procs]
+        outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -87,13 +77,99 @@ def test_two_processes_restore_and_each_reads_about_its_share(src, tmp_path):
                 p.wait()
     res = []
     for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-        res.append(json.loads(out.strip().splitlines()[-1]))
+        lines = [x for x in out.strip().splitlines() if x.startswith("{")]
+        res.append((p.returncode, json.loads(lines[-1]) if lines else None, err))
+    return res
+
+
+def restore_in(n: int, src, dst, recipe) -> list:
+    """Restore ``dst`` under ``recipe`` in ``n`` processes of ``8 / n`` devices
+    (``_preshard_multiprocess.py``): each process's report."""
+    port = free_port()
+    res = run_processes([[sys.executable, os.path.join(HERE, "_preshard_multiprocess.py"), src, str(dst), recipe,
+                          str(port), str(i), str(n)] for i in range(n)])
+    for rc, out, err in res:
+        assert rc == 0 and out is not None, err[-3000:]
+    return [out for _, out, _ in res]
+
+
+@pytest.fixture(scope="module")
+def one_process_a(src, tmp_path_factory):
+    """A pre-shard for ``ep=8,tp=1`` written by one process (the CLI, 8 virtual devices)."""
+    dst = tmp_path_factory.mktemp("one_a") / "a"
+    r = subprocess.run([sys.executable, "-m", "k3serve.server.cli", "preshard", src, str(dst), "--recipe", A,
+                        "--quiet"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return dst
+
+
+@pytest.mark.slow
+def test_two_processes_restore_and_each_reads_about_its_share(src, one_process_a):
+    """Pre-shard for ``ep=8,tp=1`` (the CLI, 8 virtual devices), then restore it under the same
+    recipe in two processes of four devices each: every shard equals a safetensors load's,
+    and each process's read syscalls return well under the checkpoint (its half, plus
+    metadata and the arrays both halves hold)."""
+    res = restore_in(2, src, one_process_a, A)
     print(json.dumps(res))
     for x in res:
         assert x["differ"] == 0 and x["arrays"] > 50, x
         assert x["held_bytes"] < 0.6 * x["global_bytes"], x  # ep=8 over two processes: about half each
         assert x["read_bytes"] < 0.85 * x["global_bytes"], x  # measured 0.74 (metadata included)
+
+
+@pytest.mark.slow
+def test_two_processes_write_a_preshard_that_restores_under_any_process_count(src, one_process_a, tmp_path):
+    """Issue #36: two processes of four devices write a pre-shard for ``ep=8,tp=1``, each
+    reading from the source only its devices' slices; the run is interrupted after its second
+    part and resumed by two processes (the CLI). The result restores under one process of
+    eight devices and under four of two (for the same recipe, and for ``ep=4,tp=2,dp=2,dcp=4``),
+    every shard bit-identical to a safetensors load for that recipe; it
+    holds the same arrays as one process's pre-shard (equal ``sum64`` per array, equal
+    fingerprints); ``verify`` on one device passes with the source (every slice a process
+    read, and the logits) and names an array whose stored bytes were changed."""
+    from k3serve.checkpoints.fingerprint import model_digest
+    from k3serve.checkpoints.preshard_format import MANIFEST, PARTS, PreshardError, read_manifest
+    from k3serve.checkpoints.preshard_verify import verify
+
+    dst = tmp_path / "two"
+    port = free_port()
+    first = run_processes([[sys.executable, os.path.join(HERE, "_preshard_write.py"), src, str(dst), A, str(port),
+                            str(i), "2", "0.0005", "00001"] for i in range(2)], timeout=300)
+    assert [(rc, out) for rc, out, _ in first] == [(3, {"process": i, "stopped_after": "00001"}) for i in range(2)], \
+        [err[-2000:] for _, _, err in first]
+    assert not (dst / MANIFEST).exists() and sorted(os.listdir(dst / PARTS)) == ["00000", "00001"]
+    port = free_port()
+    resumed = run_processes([[sys.executable, "-m", "k3serve.server.cli", "preshard", src, str(dst), "--recipe", A,
+                              "--max-memory-gb", "0.0005", "--json", "--coordinator", f"127.0.0.1:{port}",
+                              "--num-processes", "2", "--process-id", str(i)] for i in range(2)], timeout=300)
+    for rc, out, err in resumed:
+        assert rc == 0 and out is not None, err[-3000:]
+    print(json.dumps([out for _, out, _ in resumed]))
+    man = read_manifest(dst)
+    assert man["processes"] == 2 and 0 < man["resumed_leaves"] < len(man["leaves"])
+    assert {out["resumed_arrays"] for _, out, _ in resumed} == {man["resumed_leaves"]}
+    # the resumed run read again only its devices' slices: each process well under the source
+    for _, out, _ in resumed:
+        assert out["source_bytes_read"] < 0.7 * man["source"]["bytes"], out  # measured 0.51 (ep=8 over 2)
+    one = read_manifest(one_process_a)
+    assert {k: v["sum64"] for k, v in man["leaves"].items()} == {k: v["sum64"] for k, v in one["leaves"].items()}
+    assert all("sha256" not in v for v in man["leaves"].values())  # no process held a whole expert stack
+    assert any("[" in k for k in man["source"]["tensors"])  # slices, each hashed by the process that read it
+    assert model_digest(dst) == model_digest(one_process_a)
+
+    for n, recipe in ((1, A), (4, A), (4, B)):  # B: resharded on read
+        for x in restore_in(n, src, dst, recipe):
+            assert x["differ"] == 0 and x["arrays"] > 50, (n, recipe, x)
+
+    out = verify(dst, src)
+    assert out["logits_gap"] == 0.0 and out["source_tensors"] > 100, out
+    bad = copy_of(dst, tmp_path)
+    f = largest_data_file(bad)
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 0xFF
+    f.write_bytes(bytes(b))
+    with pytest.raises(PreshardError, match=r"array '[^']+' \(part \d+\) does not match its recorded hash"):
+        verify(bad)
 
 
 # ----------------------------------------------------------------------------- one device
@@ -380,3 +456,11 @@ def test_cli_preshard_verify_and_refusal(src, tmp_path):
     with pytest.raises(PreshardError, match=r"another run \(layout 'ep=2,tp=1' \(earlier run\) vs None"):
         preshard(src, dst)
     assert sorted(os.listdir(dst / PARTS)) == parts
+    # several processes: refused from the flags before any process joins or reads
+    r = run("preshard", src, str(tmp_path / "p"), "--coordinator", "127.0.0.1:1", "--num-processes", "2",
+            "--process-id", "0")
+    assert r.returncode == 2 and "needs --recipe" in r.stderr, r.stderr
+    r = run("preshard", src, str(tmp_path / "p"), "--recipe", "ep=3,tp=1", "--coordinator", "127.0.0.1:1",
+            "--num-processes", "2", "--process-id", "0")
+    assert r.returncode == 2 and "not a multiple of --num-processes 2" in r.stderr, r.stderr
+    assert not (tmp_path / "p").exists()
