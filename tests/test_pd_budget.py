@@ -46,6 +46,30 @@ def test_a_handoff_waits_for_memory_and_a_too_large_one_is_refused():
     assert e.value.code == "CANCELLED" and b.waiting == 0 and b.in_use == 60
 
 
+def test_the_bound_is_per_process_on_a_multi_host_side():
+    """Issue #36: a side of 3 processes books each handoff's share per process; one fits
+    when every process's share fits beside what that process holds, and one whose share on
+    any process is over the bound is refused naming that process."""
+    from k3serve.server.pd.budget import Share
+
+    b = HandoffBudget(100, processes=3)
+    with pytest.raises(HandoffError, match="on process 2, more than the whole") as e:
+        b.acquire(Share((10, 10, 101)), deadline=time.monotonic() + 10)
+    assert e.value.code == "RESOURCE_EXHAUSTED" and b.in_use == 0
+    b.acquire(Share((90, 10, 0)), deadline=time.monotonic() + 1)
+    b.acquire(Share((10, 90, 100)), deadline=time.monotonic() + 1)  # 300 bytes held, 100 a process
+    assert b.in_use_per_process == [100, 100, 100] and b.in_use == 100
+    with pytest.raises(HandoffError, match="waited too long"):  # only process 0's share does not fit
+        b.acquire(Share((1, 0, 0)), deadline=time.monotonic() + 0.2)
+    b.release(Share((90, 10, 0)))
+    b.acquire(Share((80, 0, 0)), deadline=time.monotonic() + 1)
+    assert b.in_use_per_process == [90, 90, 100] and b.peak_per_process == [100, 100, 100]
+    with pytest.raises(ValueError, match="a share of 2 processes"):
+        b.acquire(Share((1, 1)), deadline=time.monotonic() + 1)
+    with pytest.raises(ValueError, match="shares of 3 and 2"):
+        Share((1, 2, 3)) + Share((1, 2))
+
+
 def test_the_capacity_plan_sets_the_handoff_memory_aside():
     from _util import DATA
     from k3serve.model.config import K3Config

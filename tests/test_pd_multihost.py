@@ -5,14 +5,23 @@ ep=2,tp=2,dcp=4``), each process with 2 virtual CPU devices, gloo. Every process
 stages or pulls its own part of each handoff (``server/engine/cache/handoff_plane.py``).
 Completions through smg equal a unified one-device server's for prompts of 3 to 40 tokens
 (pages of 8; the longest spans 3 prefill chunks), and for a second turn over the longest,
-whose first pages the decode maps from its own prefix cache; afterwards neither side holds a request, page or P/D queue entry. Then a decode
-follower is killed mid-request: the client gets UNAVAILABLE within seconds, the decode side
-exits non-zero, and the prefill side frees everything and serves on."""
+whose first pages the decode maps from its own prefix cache; afterwards neither side holds a
+request, page, P/D queue entry or handoff byte, and every process of both sides held a share
+of the handoffs (the handoff memory gauges, per process). Then a decode follower is killed
+mid-request: the client gets UNAVAILABLE within seconds, the decode side exits non-zero, and
+the prefill side frees everything and serves on. Last, a one-process decode started beside
+the surviving prefill: a handoff from the two-process prefill to it equals the reference,
+then a prefill follower is killed while the pieces of the next handoff are staged (the
+decode held stopped until then): the client gets UNAVAILABLE within seconds, the prefill
+side exits non-zero, and the decode frees everything and serves on."""
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -48,20 +57,21 @@ def text_checkpoint(root):
 
 
 class Side:
-    """One P/D side: ``k3serve serve --role ROLE`` as two processes."""
+    """One P/D side: ``k3serve serve --role ROLE`` as ``processes`` processes of 2 devices."""
 
-    def __init__(self, ckpt, role, recipe, tmp, env, port, boot=None):
+    def __init__(self, ckpt, role, recipe, tmp, env, port, boot=None, processes=2):
         self.port, coord, self.metrics_port = port, free_port(), free_port()
         extra = ["--bootstrap-port", str(boot), "--pd-wait", "10", "--pd-transfer-timeout", "10"] if boot else \
             ["--pd-transfer-timeout", "10"]
         env = dict(env, XLA_FLAGS=child_xla_flags(2))
-        self.logs = [open(tmp / f"{role}{i}.log", "w+") for i in range(2)]
+        self.logs = [open(tmp / f"{role}{i}-{port}.log", "w+") for i in range(processes)]
+        cluster = lambda i: ["--coordinator", f"127.0.0.1:{coord}", "--num-processes", str(processes),  # noqa: E731
+                             "--process-id", str(i)] if processes > 1 else []
         self.procs = [subprocess.Popen(
             [sys.executable, "-m", "k3serve.server.cli", "serve", "--model", str(ckpt), "--role", role,
-             "--recipe", recipe, "--coordinator", f"127.0.0.1:{coord}", "--num-processes", "2",
-             "--process-id", str(i), "--port", str(port if i == 0 else free_port()), "--metrics-port",
+             "--recipe", recipe, *cluster(i), "--port", str(port if i == 0 else free_port()), "--metrics-port",
              str(self.metrics_port if i == 0 else -1), *FLAGS, *extra],
-            stdout=self.logs[i], stderr=subprocess.STDOUT, env=env) for i in (0, 1)]
+            stdout=self.logs[i], stderr=subprocess.STDOUT, env=env) for i in range(processes)]
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         self.stub = pb_grpc.SglangSchedulerStub(self.channel)
 
@@ -83,12 +93,19 @@ class Side:
             time.sleep(0.5)
         raise TimeoutError(f"never healthy:\n{self.log(0)}\n{self.log(1)}")
 
-    def counters(self) -> dict:
-        import re
+    def _metrics(self) -> str:
         import urllib.request
 
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
-        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(k3serve_\w+?)_total (\S+)$", text, re.M)}
+        return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+
+    def counters(self) -> dict:
+        return {m.group(1): float(m.group(2))
+                for m in re.finditer(r"^(k3serve_\w+?)_total (\S+)$", self._metrics(), re.M)}
+
+    def handoff_memory(self) -> dict:
+        """``{(gauge, process): bytes}`` of the handoff memory gauges."""
+        return {(m.group(1), int(m.group(2))): float(m.group(3)) for m in re.finditer(
+            r'^k3serve_pd_handoff_memory_(bytes|peak_bytes)\{process="(\d+)"\} (\S+)$', self._metrics(), re.M)}
 
     def idle(self) -> bool:
         ld = self.stub.GetLoads(pb.GetLoadsRequest(), timeout=10).loads[0]
@@ -146,7 +163,7 @@ def stack(tmp_path_factory, cache_home):
         base = f"http://127.0.0.1:{http}"
         model = wait_for_router(base, router, log)
         yield {"base": base, "tok": tok, "model": model, "uni": pb_grpc.SglangSchedulerStub(uni), "pre": pre,
-               "dec": dec, "log": log, "boot": boot}
+               "dec": dec, "log": log, "boot": boot, "ckpt": ckpt, "env": env}
         uni.close()
     finally:
         if router is not None:
@@ -204,6 +221,40 @@ def test_completions_through_smg_equal_unified(stack, i):
     pre, dec = stack["pre"].counters(), stack["dec"].counters()
     assert pre["k3serve_pd_handoffs_staged"] == dec["k3serve_pd_handoffs_received"] >= i + 1, (pre, dec)
     assert dec["k3serve_pd_received_bytes"] > 0 and dec["k3serve_pd_pull_seconds"] > 0, dec
+    # handoff memory, per process: every process of each side held a share, none holds any now
+    for side in (stack["pre"], stack["dec"]):
+        mem = side.handoff_memory()
+        assert {mem[("bytes", p)] for p in (0, 1)} == {0.0} and min(mem[("peak_bytes", p)] for p in (0, 1)) > 0, mem
+
+
+class Legs:
+    """The two legs of one P/D request sent straight to the servers (smg's way: the same
+    request with bootstrap parameters to both), each in a thread."""
+
+    def __init__(self, boot: int, ids, room: int, max_new: int, ignore_eos: bool = True):
+        self.req = pb.GenerateRequest(request_id=f"legs-{room}", tokenized=pb.TokenizedInput(input_ids=ids),
+                                      stream=True, sampling_params=pb.SamplingParams(
+                                          max_new_tokens=max_new, temperature=0, ignore_eos=ignore_eos))
+        self.req.disaggregated_params.CopyFrom(pb.DisaggregatedParams(
+            bootstrap_host="127.0.0.1", bootstrap_port=boot, bootstrap_room=room))
+        self.got, self.box, self.threads = [], {}, {}
+
+    def start(self, name: str, stub) -> None:
+        self.threads[name] = threading.Thread(target=self._run, args=(name, stub))
+        self.threads[name].start()
+
+    def _run(self, name, stub):
+        try:
+            for r in stub.Generate(self.req, timeout=120):
+                if name == "d" and r.HasField("chunk"):
+                    self.got.extend(r.chunk.token_ids)
+            self.box[name] = "ok"
+        except grpc.RpcError as e:
+            self.box[name] = e
+
+    def join(self, timeout: float = 60) -> None:
+        for t in self.threads.values():
+            t.join(timeout)
 
 
 def test_decode_follower_killed_mid_request(stack):
@@ -211,39 +262,80 @@ def test_decode_follower_killed_mid_request(stack):
     UNAVAILABLE within seconds, the decode's leader exits non-zero (a multi-host engine that
     lost a process stops as a whole), and the prefill side frees everything and serves on
     (a unified request on it equals the reference). Last: the decode side is gone after it."""
-    import threading
-
     pre, dec, tok = stack["pre"], stack["dec"], stack["tok"]
     ids = tok.encode(PROMPTS[1])
-    got, box = [], {}
-    req = pb.GenerateRequest(request_id="kill-dec", tokenized=pb.TokenizedInput(input_ids=ids), stream=True,
-                             sampling_params=pb.SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True))
-    req.disaggregated_params.CopyFrom(pb.DisaggregatedParams(bootstrap_host="127.0.0.1",
-                                                             bootstrap_port=stack["boot"], bootstrap_room=77))
-
-    def leg(name, stub):
-        try:
-            for r in stub.Generate(req, timeout=120):
-                if name == "d" and r.HasField("chunk"):
-                    got.extend(r.chunk.token_ids)
-            box[name] = "ok"
-        except grpc.RpcError as e:
-            box[name] = e
-
-    threads = [threading.Thread(target=leg, args=(n, s.stub)) for n, s in (("d", dec), ("p", pre))]
-    for t in threads:
-        t.start()
-    _until(lambda: len(got) >= 3, 60, "the decode never streamed")
+    legs = Legs(stack["boot"], ids, 77, 100)
+    legs.start("d", dec.stub)
+    legs.start("p", pre.stub)
+    _until(lambda: len(legs.got) >= 3, 60, "the decode never streamed")
     dec.procs[1].kill()
     killed = time.monotonic()
-    threads[0].join(30)
+    legs.threads["d"].join(30)
+    box = legs.box
     assert isinstance(box.get("d"), grpc.RpcError) and box["d"].code() == grpc.StatusCode.UNAVAILABLE, box
     assert time.monotonic() - killed < 15
-    assert len(got) < 100
+    assert len(legs.got) < 100
     assert dec.procs[0].wait(30) != 0  # the leader stopped too, non-zero
-    threads[1].join(30)
+    legs.join(30)
     _until(pre.idle, 30, "the prefill kept the room or the request")
     want = _unified(stack, ids, 6)
     unified = pb.GenerateRequest(request_id="after-kill", tokenized=pb.TokenizedInput(input_ids=ids),
                                  sampling_params=pb.SamplingParams(max_new_tokens=6, temperature=0))
     assert list([r.complete for r in pre.stub.Generate(unified, timeout=120)][-1].output_ids) == want
+
+
+def test_prefill_follower_killed_while_its_pieces_are_staged(stack, tmp_path):
+    """A one-process decode (2 devices, ``ep=2``) beside the surviving two-process prefill:
+    first a handoff between them equals the reference (a multi-host prefill to a one-process
+    decode). Then the next request's decode leg is sent first; once it has registered with
+    the prefill, the decode is stopped (SIGSTOP), the prefill leg computes and stages its
+    pieces on both prefill processes, and the prefill follower is SIGKILLed. The decode,
+    continued, finds a piece that never comes: its client gets UNAVAILABLE within seconds,
+    and it frees the reservation and its handoff memory and serves on (a unified request
+    equals the reference); the prefill's leader exits non-zero."""
+    pre, tok = stack["pre"], stack["tok"]
+    dec = Side(stack["ckpt"], "decode", "ep=2", tmp_path, stack["env"], free_port(), processes=1)
+    try:
+        dec.wait_healthy()
+        ids = tok.encode(PROMPTS[2])
+        want = _unified(stack, ids, 6)
+        legs = Legs(stack["boot"], ids, 90, 6, ignore_eos=False)
+        legs.start("d", dec.stub)
+        legs.start("p", pre.stub)
+        legs.join(120)
+        assert legs.box == {"d": "ok", "p": "ok"} and legs.got == want, (legs.box, legs.got, want)
+
+        ids = tok.encode(PROMPTS[1])
+        legs = Legs(stack["boot"], ids, 91, 20)
+        legs.start("d", dec.stub)
+        inflight = lambda: pre.stub.GetLoads(pb.GetLoadsRequest(), timeout=10).loads[0] \
+            .disaggregation.prefill_inflight_queue_reqs  # noqa: E731
+        _until(lambda: inflight() == 1, 60, "the decode never registered with the prefill")
+        os.kill(dec.procs[0].pid, signal.SIGSTOP)
+        try:
+            staged = pre.counters()["k3serve_pd_handoffs_staged"]
+            legs.start("p", pre.stub)
+            _until(lambda: pre.counters()["k3serve_pd_handoffs_staged"] > staged, 60, "the prefill never staged")
+            pre.procs[1].kill()
+        finally:
+            os.kill(dec.procs[0].pid, signal.SIGCONT)
+        killed = time.monotonic()
+        legs.threads["d"].join(40)
+        box = legs.box
+        assert isinstance(box.get("d"), grpc.RpcError) and box["d"].code() == grpc.StatusCode.UNAVAILABLE, \
+            (box, dec.log(0))
+        assert time.monotonic() - killed < 20  # the pull's deadline (--pd-transfer-timeout 10) and the release
+        assert legs.got == []
+        assert pre.procs[0].wait(30) != 0  # the prefill's leader stopped too, non-zero
+        legs.join(30)
+        _until(dec.idle, 30, "the decode kept the reservation")
+        assert dec.handoff_memory()[("bytes", 0)] == 0
+        assert _unified_on(dec, ids, 6) == _unified(stack, ids, 6)
+    finally:
+        dec.close()
+
+
+def _unified_on(side, ids, max_new):
+    req = pb.GenerateRequest(request_id=f"u-{time.monotonic_ns()}", tokenized=pb.TokenizedInput(input_ids=ids),
+                             sampling_params=pb.SamplingParams(max_new_tokens=max_new, temperature=0))
+    return list([r.complete for r in side.stub.Generate(req, timeout=120)][-1].output_ids)

@@ -129,3 +129,18 @@ class _EngineCollector:
             yield c("k3serve_pd_handoffs_received", "P/D handoffs pulled and delivered to the engine", side.handoffs)
             yield c("k3serve_pd_received_bytes", "Bytes of the pieces of those handoffs", side.bytes_received)
             yield c("k3serve_pd_pull_seconds", "Pull start to every piece here, summed", side.transfer_time_s)
+        budget = getattr(side, "budget", None)
+        if budget is not None:  # handoff memory (--pd-handoff-memory-gb), per process of the side
+            for name, doc, values in (
+                    ("k3serve_pd_handoff_memory_bytes", "Device bytes P/D handoffs hold now, by process of the side",
+                     budget.in_use_per_process),
+                    ("k3serve_pd_handoff_memory_peak_bytes", "Most device bytes P/D handoffs held at once, by process",
+                     budget.peak_per_process)):
+                fam = GaugeMetricFamily(name, doc, labels=["process"])
+                for p, v in enumerate(values):
+                    fam.add_metric([str(p)], v)
+                yield fam
+            if budget.limit is not None:
+                yield GaugeMetricFamily("k3serve_pd_handoff_memory_limit_bytes",
+                                        "The bound on handoff bytes per process (--pd-handoff-memory-gb)",
+                                        value=budget.limit)

@@ -155,10 +155,12 @@ class Engine:
             prefix_snapshots = 2 * max_num_seqs if enable_prefix_caching else 0
         if enable_prefix_caching and prefix_snapshots < 1:
             raise ValueError("prefix caching needs prefix_snapshots >= 1")
+        # the P/D handoff bound is per process (server/pd/budget.py): set aside once per process of the mesh
+        processes = len({d.process_index for d in self.mesh.devices.flat}) if self.mesh is not None else 1
         self.capacity_plan = plan_capacity(cfg, page_size=page_size, dtype=model.dtype, kv_memory_bytes=kv_memory_bytes,
                                   max_num_seqs=max_num_seqs, num_pages=num_pages, dp=dp, dcp=dcp,
                                   snapshot_slots=prefix_snapshots if enable_prefix_caching else 0,
-                                  handoff_bytes=pd_handoff_bytes, num_speculative_tokens=spec_k)
+                                  handoff_bytes=pd_handoff_bytes * processes, num_speculative_tokens=spec_k)
         self.cache_mgr = CacheManager(cfg, self.capacity_plan, model.dtype, allocate=self.par is None and not abstract,
                                       dispatch=self.dispatch)
         if abstract:

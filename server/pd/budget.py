@@ -8,7 +8,13 @@ engine has written them into the reservation. A K3 request's KDA state alone is 
 takes its bytes here before the memory exists and gives them back when it is gone; one that
 does not fit waits (in order of arrival) until others give theirs back, and one larger than
 the whole bound is refused at once. The engine's capacity plan sets the same number of bytes
-aside from the KV budget (``cache/planning.py``).
+aside from the KV budget (``cache/planning.py``), once per process of the side.
+
+On a multi-host side the bound is per process: a handoff's bytes are a :class:`Share`, what it
+holds on each process's devices (the prefill's export is whole on every device; each prefill
+process stages its own pieces; each decode process pulls the pieces its devices need and
+holds its shards of the load's inputs), and it fits when every process's share fits beside
+what that process already holds. The leader keeps the books for every process.
 """
 from __future__ import annotations
 
@@ -17,6 +23,34 @@ import time
 from typing import Callable
 
 from .errors import HandoffError
+
+
+class Share(tuple):
+    """Bytes per process of a side, in process order (a one-process side: one entry)."""
+
+    @classmethod
+    def of(cls, nbytes, processes: int = 1) -> "Share":
+        if isinstance(nbytes, Share):
+            return nbytes
+        return cls((int(nbytes),) + (0,) * (processes - 1))
+
+    def _pair(self, other):
+        other = Share.of(other, len(self))
+        if len(other) != len(self):
+            raise ValueError(f"shares of {len(self)} and {len(other)} processes")
+        return zip(self, other)
+
+    def __add__(self, other):
+        return Share(a + b for a, b in self._pair(other))
+
+    def __sub__(self, other):
+        return Share(a - b for a, b in self._pair(other))
+
+    def minimum(self, other) -> "Share":
+        return Share(min(a, b) for a, b in self._pair(other))
+
+    def __bool__(self) -> bool:
+        return any(self)
 
 
 def nbytes_of(specs) -> int:
@@ -50,15 +84,27 @@ def bound_warning(engine, limit_bytes: int | None) -> str | None:
 
 
 class HandoffBudget:
-    def __init__(self, limit_bytes: int | None):
+    """``limit_bytes`` per process of a side of ``processes`` (None: unbounded, counted only)."""
+
+    def __init__(self, limit_bytes: int | None, processes: int = 1):
         if limit_bytes is not None and limit_bytes <= 0:
             raise ValueError(f"the P/D handoff memory bound must be > 0 bytes, got {limit_bytes}")
         self.limit = limit_bytes  # None: unbounded (counted only)
+        self.processes = processes
         self._cond = threading.Condition()
         self._queue: list[object] = []  # tickets of the waiting acquires, oldest first
-        self.in_use = 0
-        self.peak = 0
+        self.in_use_per_process = [0] * processes
+        self.peak_per_process = [0] * processes
         self.refused = 0
+
+    @property
+    def in_use(self) -> int:
+        """The most any process holds now."""
+        return max(self.in_use_per_process)
+
+    @property
+    def peak(self) -> int:
+        return max(self.peak_per_process)
 
     @property
     def waiting(self) -> int:
@@ -69,38 +115,45 @@ class HandoffBudget:
         """Take ``nbytes``, waiting (first come, first served) until they fit; HandoffError
         RESOURCE_EXHAUSTED if they never can or ``deadline`` (monotonic) passes first,
         CANCELLED if ``alive()`` turns false while waiting."""
-        nbytes = int(nbytes)
-        if self.limit is not None and nbytes > self.limit:
+        share = Share.of(nbytes, self.processes)
+        if len(share) != self.processes:
+            raise ValueError(f"a share of {len(share)} processes for a side of {self.processes}")
+        if self.limit is not None and max(share) > self.limit:
             with self._cond:
                 self.refused += 1
+            p = share.index(max(share))
+            on = f" on process {p}" if self.processes > 1 else ""
             raise HandoffError("RESOURCE_EXHAUSTED",
-                               f"{what} needs {nbytes / 2**30:.3f} GiB of handoff memory, more than the whole "
+                               f"{what} needs {max(share) / 2**30:.3f} GiB of handoff memory{on}, more than the whole "
                                f"--pd-handoff-memory-gb bound ({self.limit / 2**30:.3f} GiB)")
         ticket = object()
         with self._cond:
             self._queue.append(ticket)
             try:
-                while not (self._queue[0] is ticket and self._fits(nbytes)):
+                while not (self._queue[0] is ticket and self._fits(share)):
                     if not alive():
                         raise HandoffError("CANCELLED", f"{what} was cancelled while it waited for handoff memory")
                     left = deadline - time.monotonic()
                     if left <= 0:
                         bound = f"{self.limit / 2**30:.3f}" if self.limit is not None else "unbounded"
                         raise HandoffError("RESOURCE_EXHAUSTED",
-                                           f"{what} waited too long for {nbytes / 2**30:.3f} GiB of handoff memory "
+                                           f"{what} waited too long for {max(share) / 2**30:.3f} GiB of handoff memory "
                                            f"({self.in_use / 2**30:.3f} GiB in use, bound {bound})")
                     self._cond.wait(min(left, 0.1))
-                self.in_use += nbytes
-                self.peak = max(self.peak, self.in_use)
+                for p, n in enumerate(share):
+                    self.in_use_per_process[p] += n
+                    self.peak_per_process[p] = max(self.peak_per_process[p], self.in_use_per_process[p])
             finally:
                 self._queue.remove(ticket)
                 self._cond.notify_all()
 
-    def _fits(self, nbytes: int) -> bool:
-        return self.limit is None or self.in_use + nbytes <= self.limit
+    def _fits(self, share: Share) -> bool:
+        return self.limit is None or all(u + n <= self.limit for u, n in zip(self.in_use_per_process, share))
 
-    def release(self, nbytes: int) -> None:
+    def release(self, nbytes) -> None:
+        share = Share.of(nbytes, self.processes)
         with self._cond:
-            self.in_use -= int(nbytes)
-            assert self.in_use >= 0, "handoff memory released twice"
+            for p, n in enumerate(share):
+                self.in_use_per_process[p] -= n
+                assert self.in_use_per_process[p] >= 0, "handoff memory released twice"
             self._cond.notify_all()

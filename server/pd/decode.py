@@ -34,9 +34,9 @@ from ..engine.handoff import Handoff
 from . import bootstrap_pb2 as pb
 from . import bootstrap_pb2_grpc as pb_grpc
 from .auth import BootstrapAuth
-from .budget import HandoffBudget
+from .budget import HandoffBudget, Share
 from .errors import HandoffError
-from .layout import cache_layout, destination_pb, incompatibility, piece_specs, prompt_crc32
+from .layout import cache_layout, destination_pb, incompatibility, piece_specs, prompt_crc32, side_processes
 from .transfer import TransferEndpoint, wait_ready
 
 # the prefill's status reaches the decode's client as it is; anything else is UNAVAILABLE
@@ -44,15 +44,24 @@ _KEPT = {"FAILED_PRECONDITION", "DEADLINE_EXCEEDED", "ABORTED", "INVALID_ARGUMEN
          "RESOURCE_EXHAUSTED"}
 
 
-def pull_nbytes(target, piece_specs_) -> int:
-    """Device bytes of one handoff on the decode: the pieces pulled and the load's inputs put
-    together from them (every device's shard of each, replicas included)."""
-    pieces = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for s, d in piece_specs_)
-    loads = 0
+def pull_nbytes(target, piece_specs_, processes: int = 1) -> Share:
+    """Device bytes of one handoff on the decode, per process of the side: the pieces pulled
+    and the load's inputs put together from them (every device's shard of each, replicas
+    included). On a multi-host decode each process pulls the pieces its devices need
+    (``HandoffTarget.readers``) and holds its devices' shards."""
+    sizes = [int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for s, d in piece_specs_]
+    out = [0] * processes
+    if processes == 1:
+        out[0] = sum(sizes)
+    else:
+        for i, procs in enumerate(target.readers()):
+            for p in procs:
+                out[p] += sizes[i]
     for shape, dtype, sharding in zip(target.shapes, target.dtypes, target.shardings):
-        shard = sharding.shard_shape(tuple(shape))
-        loads += int(np.prod(shard, dtype=np.int64)) * np.dtype(dtype).itemsize * len(sharding.device_set)
-    return pieces + loads
+        shard = int(np.prod(sharding.shard_shape(tuple(shape)), dtype=np.int64)) * np.dtype(dtype).itemsize
+        for dev in sharding.device_set:
+            out[dev.process_index if processes > 1 else 0] += shard
+    return Share(out)
 
 
 class DecodeSide:
@@ -61,7 +70,8 @@ class DecodeSide:
         self.engine = engine
         self.await_s, self.transfer_s = await_s, transfer_s
         self.auth = BootstrapAuth(secret)
-        self.budget = HandoffBudget(handoff_bytes)
+        self.processes = side_processes(engine)
+        self.budget = HandoffBudget(handoff_bytes, self.processes)  # per process of this side
         plane = engine.handoff_plane  # multi-host: each process's own endpoint (this is the leader's)
         self.transfer = plane.endpoint if plane is not None else TransferEndpoint(host)
         self.layout = cache_layout(engine)
@@ -106,7 +116,7 @@ class DecodeSide:
                 raise target
             alive = lambda: loop.in_flight(rid)  # noqa: E731
             deadline = time.monotonic() + self.await_s
-            nbytes = pull_nbytes(target, piece_specs(self.engine, len(ids), target.dest))
+            nbytes = pull_nbytes(target, piece_specs(self.engine, len(ids), target.dest), self.processes)
             self.budget.acquire(nbytes, deadline=deadline, alive=alive, what=f"the handoff of request {rid!r}")
             held = nbytes
             handoff = self._handoff(rid, addr, room, ids, target, alive=alive, deadline=deadline)
@@ -200,8 +210,9 @@ class DecodeSide:
         except grpc.RpcError:
             pass  # the room expires on its own; the arrays are here (or will never be)
         if not ok:
-            raise HandoffError("UNAVAILABLE", f"the KV transfer from {msg.transfer_address} did not complete within "
-                                              f"{self.transfer_s:.0f} s (the prefill server may have died)")
+            raise HandoffError("UNAVAILABLE", f"the KV transfer from {msg.transfer_address} failed or did not "
+                                              f"complete within {self.transfer_s:.0f} s (the prefill server may have "
+                                              "died)")
         moved = sum(int(np.prod(sh, dtype=np.int64)) * np.dtype(d).itemsize * target.dest.num_pulls(i)
                     for i, (sh, d) in enumerate(specs))  # a multi-host decode pulls some pieces more than once
         with self._lock:

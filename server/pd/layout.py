@@ -72,6 +72,11 @@ def destination_of(msg: "pb.Destination") -> Destination:
                        page_lists=tuple(tuple(p.pages) for p in msg.page_lists), pulls=tuple(msg.pulls))
 
 
+def side_processes(engine) -> int:
+    """Processes the engine's devices belong to (a multi-host side: more than one)."""
+    return len({d.process_index for d in engine_devices(engine)})
+
+
 def engine_devices(engine) -> list:
     """The devices the engine's cache lives on, in id order (where pieces are cut and staged)."""
     return sorted(engine.cache_mgr.device_cache.mla_kv.sharding.device_set, key=lambda d: d.id)

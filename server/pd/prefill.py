@@ -28,11 +28,12 @@ import grpc
 from . import bootstrap_pb2 as pb
 from . import bootstrap_pb2_grpc as pb_grpc
 from ...intmath import cdiv
-from ..engine.cache.deal import cut_pieces, stage_pulls
+from ..engine.cache.deal import cut_pieces, piece_devices, stage_pulls
 from .auth import BootstrapAuth
-from .budget import HandoffBudget, nbytes_of
+from .budget import HandoffBudget, Share, nbytes_of
 from .errors import HandoffError
-from .layout import destination_of, engine_devices, export_specs, incompatibility, piece_specs, prompt_crc32
+from .layout import (destination_of, engine_devices, export_specs, incompatibility, piece_specs, prompt_crc32,
+                     side_processes)
 
 __all__ = ["HandoffError", "PrefillSide", "Rooms", "BootstrapServicer"]
 
@@ -49,8 +50,8 @@ class Room:
     error: HandoffError | None = None
     staged_at: float | None = None
     decode_left: bool = False  # the decode's AwaitHandoff ended (cancelled): nothing to stage for
-    charged: int = 0  # bytes of handoff memory this room holds (given back when it ends)
-    export_bytes: int = 0  # of which the export, given back once it is cut into pieces
+    charged: Share = Share((0,))  # handoff memory this room holds, per process (given back when it ends)
+    export_bytes: Share = Share((0,))  # of which the export, given back once it is cut into pieces
 
 
 class Rooms:
@@ -91,20 +92,22 @@ class Rooms:
             if err is not None:
                 self._tombstones[key] = (time.monotonic() + self.tombstone_s, err)
 
-    def charge(self, room: Room, nbytes: int) -> bool:
+    def charge(self, room: Room, nbytes: Share) -> bool:
         """Book ``nbytes`` (already taken from the budget) on ``room``; False (not booked) if the
         room has ended meanwhile: the caller gives them back."""
         with self._lock:
             if self._rooms.get(room.key) is not room or room.done.is_set():
                 return False
-            room.charged += nbytes
+            room.charged = nbytes + room.charged if room.charged else nbytes
             return True
 
-    def refund(self, room: Room, nbytes: int) -> None:
+    def refund(self, room: Room, nbytes: Share) -> None:
         """Give back part of what ``room`` holds (e.g. the export, once cut into pieces)."""
         with self._lock:
-            nbytes = min(nbytes, room.charged)
-            room.charged -= nbytes
+            if not room.charged:
+                return
+            nbytes = nbytes.minimum(room.charged)
+            room.charged = room.charged - nbytes
         self.budget.release(nbytes)
 
     def fail(self, key, err: HandoffError) -> None:
@@ -131,7 +134,7 @@ class Rooms:
         room = self._rooms.pop(key, None)
         if room is not None and room.charged:
             self.budget.release(room.charged)
-            room.charged = 0
+            room.charged = Share((0,))
         return room
 
     def _sweep(self) -> None:
@@ -212,7 +215,8 @@ class PrefillSide:
         self.wait_s, self.stage_s = wait_s, stage_s
         self.devices = engine_devices(engine)
         self.num_heads, self.page_size = engine.model.config.kda_num_heads, engine.capacity_plan.page_size
-        self.budget = HandoffBudget(handoff_bytes)
+        self.processes = side_processes(engine)
+        self.budget = HandoffBudget(handoff_bytes, self.processes)  # per process of this side
         self.rooms = Rooms(ttl_s=wait_s + stage_s + 60.0, staged_s=stage_s, budget=self.budget)
         plane = engine.handoff_plane  # multi-host: each process's own endpoint (this is the leader's)
         self.transfer = plane.endpoint if plane is not None else TransferEndpoint(host)
@@ -268,9 +272,21 @@ class PrefillSide:
             self.rooms.fail(room.key, err)
             raise err from None
 
-    def handoff_nbytes(self, n_prompt: int, dest) -> tuple[int, int]:
-        """(bytes of the export, bytes of the pieces cut from it) of an ``n_prompt``-token handoff."""
-        return nbytes_of(export_specs(self.engine, n_prompt)), nbytes_of(piece_specs(self.engine, n_prompt, dest))
+    def handoff_nbytes(self, n_prompt: int, dest) -> tuple[Share, Share]:
+        """(bytes of the export, bytes of the pieces cut from it and staged, once per pull) of an
+        ``n_prompt``-token handoff, per process of this side. On a multi-host prefill the export
+        is whole on every device, and each process stages the pieces of its own devices."""
+        export = nbytes_of(export_specs(self.engine, n_prompt))
+        specs = piece_specs(self.engine, n_prompt, dest)
+        plane = self.engine.handoff_plane
+        if plane is None:
+            return Share.of(export), Share.of(sum(nbytes_of([sp]) * dest.num_pulls(i) for i, sp in enumerate(specs)))
+        ex, pc = [0] * self.processes, [0] * self.processes
+        for d in self.devices:
+            ex[d.process_index] += export
+        for i, d in enumerate(piece_devices(dest, plane.stage_devices())):
+            pc[d.process_index] += nbytes_of([specs[i]]) * dest.num_pulls(i)
+        return Share(ex), Share(pc)
 
     def reserve_memory(self, room: Room, ids, context) -> None:
         """Take the handoff's memory (export + pieces) from the budget before anything is

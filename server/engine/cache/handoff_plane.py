@@ -137,9 +137,9 @@ class HandoffPlane:
         """Stage export ``key`` for ``dest`` on every process; each piece's transfer address."""
         self.dispatch("pd_stage", key, dest_to_wire(dest), uuid, float(timeout_s))
         addrs = self.addresses()
-        return [addrs[d.process_index] for d in piece_devices(dest, self._stage_devices())]
+        return [addrs[d.process_index] for d in piece_devices(dest, self.stage_devices())]
 
-    def _stage_devices(self) -> list:
+    def stage_devices(self) -> list:
         return list(self.mesh.devices.flat)
 
     def _run_stage(self, key: int, dest: dict, uuid: int, timeout_s: float) -> None:
@@ -147,7 +147,7 @@ class HandoffPlane:
         if arrays is None:
             return
         dest = dest_from_wire(dest)
-        stage_pulls(self.endpoint, cut_local_pieces(arrays, dest, self._stage_devices()), dest, uuid, timeout_s)
+        stage_pulls(self.endpoint, cut_local_pieces(arrays, dest, self.stage_devices()), dest, uuid, timeout_s)
 
     def drop(self, key: int) -> None:
         self.dispatch("pd_drop", key)
@@ -204,11 +204,21 @@ class HandoffPlane:
 
 
 def all_ready(arrays, deadline: float) -> bool:
-    """True once every array is ready; False if the monotonic ``deadline`` passed first."""
+    """True once every array is ready and holds its bytes; False if the monotonic
+    ``deadline`` passed first, or a pull failed. A pull from a peer that died is *ready* at
+    once, holding an error: handed on, it fails the program it feeds on that device alone,
+    and the program's collectives then wait forever on the other devices (XLA:CPU aborts the
+    process after 40 s), so it must be caught here."""
     poll = 0.002
     pending = list(arrays)
     while pending:
-        pending = [a for a in pending if not a.is_ready()]
+        ready = [a for a in pending if a.is_ready()]
+        for a in ready:
+            try:
+                a.block_until_ready()  # ready: returns at once, or raises the pull's error
+            except Exception:  # noqa: BLE001 - any error means the bytes are not here
+                return False
+        pending = [a for a in pending if not any(a is r for r in ready)]
         if not pending:
             return True
         if time.monotonic() >= deadline:

@@ -37,7 +37,7 @@ class CapacityPlan:
     dp: int = 1  # attention DP groups: slots and pages split into dp equal ranges
     dcp: int = 1  # decode context parallel ranks per group: each group's pages in dcp blocks
     snapshot_slots: int = 0  # KDA prefix snapshot slots (issue #6), split evenly over the DP groups
-    handoff_bytes: int = 0  # set aside for P/D handoff arrays outside the pools (not in total_bytes)
+    handoff_bytes: int = 0  # set aside for P/D handoff arrays outside the pools, all processes' (not in total_bytes)
     journal_bytes: int = 0  # speculative decoding's KDA journal, an entry per request slot (not in total_bytes)
 
 
