@@ -298,6 +298,10 @@ def add_pd_flags(p) -> None:
                         "requests from a prefill's handoff (requests without disaggregated_params run unified)")
     g.add_argument("--bootstrap-port", type=int, default=8998,
                    help="prefill: the rendezvous port decode servers call (on --host; smg's default 8998)")
+    g.add_argument("--transfer-host", default=None,
+                   help="address this process's transfer server binds and announces to the other side (default: "
+                        "--host; when that is a wildcard such as 0.0.0.0, this host's own address on the route to "
+                        "the coordinator, or its hostname's)")
     g.add_argument("--pd-wait", type=float, default=30.0,
                    help="prefill: seconds a request waits for its decode server before failing")
     g.add_argument("--pd-transfer-timeout", type=float, default=60.0,

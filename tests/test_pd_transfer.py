@@ -48,3 +48,28 @@ def test_a_pull_from_a_dead_peer_is_not_ready():
         if peer.poll() is None:
             peer.kill()
             peer.wait(10)
+
+
+def test_the_transfer_host_is_never_a_wildcard():
+    """``--host 0.0.0.0`` binds gRPC everywhere, but a transfer server bound there announces
+    0.0.0.0, which the other side cannot dial: it binds this host's own address instead, and a
+    pull from that announced address works."""
+    import numpy as np
+    import pytest
+
+    from k3serve.server.pd.transfer import TransferEndpoint, transfer_host, wait_ready
+
+    assert transfer_host("127.0.0.1") == "127.0.0.1"
+    assert transfer_host("0.0.0.0", "10.1.2.3") == "10.1.2.3"
+    assert transfer_host("0.0.0.0", toward="127.0.0.1") == "127.0.0.1"  # the route to a local coordinator
+    own = transfer_host("0.0.0.0")
+    assert own not in ("0.0.0.0", "::", "")
+    with pytest.raises(ValueError, match="not a wildcard"):
+        transfer_host("127.0.0.1", "0.0.0.0")
+    import jax
+
+    a, b = TransferEndpoint(own), TransferEndpoint("127.0.0.1")
+    assert a.address.rsplit(":", 1)[0] == own
+    a.stage(5, [jax.device_put(np.arange(3, dtype=np.float32))], 30)
+    got = b.pull(a.address, 5, [((3,), np.float32)])
+    assert wait_ready(got, 30) and np.array_equal(np.asarray(got[0]), np.arange(3, dtype=np.float32))

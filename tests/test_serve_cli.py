@@ -119,3 +119,13 @@ def test_a_refused_multi_host_prefill_exits_on_every_process_before_loading(tmp_
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_wildcard_transfer_host_is_refused_before_loading(tmp_path):
+    """``--transfer-host`` is what the other side dials: a wildcard is refused from the flags,
+    exit 2, before the (missing) model is opened."""
+    r = subprocess.run([sys.executable, "-m", "k3serve.server.cli", "serve", "--role", "decode", "--model",
+                        str(tmp_path / "never-read"), "--transfer-host", "0.0.0.0", "--port", "0", "--metrics-port",
+                        "-1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "cannot serve as decode" in r.stderr and "not a wildcard" in r.stderr, r.stderr
+    assert "loading" not in r.stdout, r.stdout

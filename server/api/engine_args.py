@@ -112,12 +112,15 @@ def build_engine(args, path, dispatch=None):
                  **prefix_kwargs(args), **spec_kwargs(args), **kv)
     if eng.pd_role is not None and eng.cache_mgr.spans_processes:  # every process of a multi-host P/D side
         import jax
+        from jax._src import distributed
 
         from ..engine.cache.handoff_plane import HandoffPlane
-        from ..pd.transfer import TransferEndpoint
+        from ..pd.transfer import TransferEndpoint, transfer_host
 
+        coordinator = (distributed.global_state.coordinator_address or "").rsplit(":", 1)[0] or None
+        host = transfer_host(args.host, getattr(args, "transfer_host", None), toward=coordinator)
         eng.handoff_plane = HandoffPlane(eng.cache_mgr, eng.dispatch,
-                                         TransferEndpoint(args.host, device=jax.local_devices()[0]))
+                                         TransferEndpoint(host, device=jax.local_devices()[0]))
     return eng
 
 

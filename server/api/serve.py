@@ -141,16 +141,18 @@ def serve(args) -> int:
 def _pd_secret(args):
     """The cluster secret for the P/D bootstrap (None: none given), or an exit status when the
     server must not start: an unreadable secret, or a prefill whose bootstrap service would
-    bind a non-loopback address without one."""
+    bind a non-loopback address without one, or a wildcard ``--transfer-host``."""
     if getattr(args, "role", "unified") == "unified":
         return None
     from ..pd.auth import check_bind
+    from ..pd.transfer import transfer_host
     from ..shared_secret import SecretError, load_secret
 
     try:
         secret = load_secret(getattr(args, "cluster_secret_file", None))
         if args.role == "prefill":
             check_bind(args.host, secret)
+        transfer_host(args.host, getattr(args, "transfer_host", None), toward="127.0.0.1")
     except (SecretError, ValueError) as e:
         print(f"k3serve: cannot serve as {args.role}: {e}", file=sys.stderr, flush=True)
         return 2
@@ -162,6 +164,9 @@ def attach_pd(servicer, engine, args, secret: bytes | None = None):
     server (``--role``); returns the side, to stop at exit."""
     handoff = pd_handoff_bytes(args) or None
     from ..pd.budget import bound_warning
+    from ..pd.transfer import transfer_host
+
+    xfer = transfer_host(args.host, getattr(args, "transfer_host", None))
 
     why = bound_warning(engine, handoff)
     if why is not None:
@@ -171,13 +176,13 @@ def attach_pd(servicer, engine, args, secret: bytes | None = None):
 
         side = servicer.pd_prefill = PrefillSide(engine, host=args.host, bootstrap_port=args.bootstrap_port,
                                                  wait_s=args.pd_wait, stage_s=args.pd_transfer_timeout,
-                                                 secret=secret, handoff_bytes=handoff)
+                                                 secret=secret, handoff_bytes=handoff, transfer_host=xfer)
         print(f"k3serve: P/D prefill: bootstrap on {args.host}:{side.port}, transfer {side.transfer.address}", flush=True)
     else:
         from ..pd.decode import DecodeSide
 
         side = servicer.pd_decode = DecodeSide(engine, host=args.host, transfer_s=args.pd_transfer_timeout,
-                                               secret=secret, handoff_bytes=handoff)
+                                               secret=secret, handoff_bytes=handoff, transfer_host=xfer)
         print(f"k3serve: P/D decode: transfer {side.transfer.address}", flush=True)
     return side
 

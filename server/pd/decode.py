@@ -66,14 +66,14 @@ def pull_nbytes(target, piece_specs_, processes: int = 1) -> Share:
 
 class DecodeSide:
     def __init__(self, engine, *, host: str = "127.0.0.1", await_s: float = 120.0, transfer_s: float = 60.0,
-                 secret: bytes | None = None, handoff_bytes: int | None = None):
+                 secret: bytes | None = None, handoff_bytes: int | None = None, transfer_host: str | None = None):
         self.engine = engine
         self.await_s, self.transfer_s = await_s, transfer_s
         self.auth = BootstrapAuth(secret)
         self.processes = side_processes(engine)
         self.budget = HandoffBudget(handoff_bytes, self.processes)  # per process of this side
         plane = engine.handoff_plane  # multi-host: each process's own endpoint (this is the leader's)
-        self.transfer = plane.endpoint if plane is not None else TransferEndpoint(host)
+        self.transfer = plane.endpoint if plane is not None else TransferEndpoint(transfer_host or host)
         self.layout = cache_layout(engine)
         self.decode_id = f"decode@{self.transfer.address}"
         self.pool = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="k3-pd-pull")

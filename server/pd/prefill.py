@@ -205,7 +205,7 @@ class PrefillSide:
     handoffs (``--pd-handoff-memory-gb``; None: unbounded)."""
 
     def __init__(self, engine, *, host: str, bootstrap_port: int, wait_s: float = 30.0, stage_s: float = 60.0,
-                 secret: bytes | None = None, handoff_bytes: int | None = None):
+                 secret: bytes | None = None, handoff_bytes: int | None = None, transfer_host: str | None = None):
         from .auth import check_bind
         from .layout import cache_layout
         from .transfer import TransferEndpoint
@@ -219,7 +219,7 @@ class PrefillSide:
         self.budget = HandoffBudget(handoff_bytes, self.processes)  # per process of this side
         self.rooms = Rooms(ttl_s=wait_s + stage_s + 60.0, staged_s=stage_s, budget=self.budget)
         plane = engine.handoff_plane  # multi-host: each process's own endpoint (this is the leader's)
-        self.transfer = plane.endpoint if plane is not None else TransferEndpoint(host)
+        self.transfer = plane.endpoint if plane is not None else TransferEndpoint(transfer_host or host)
         self.layout = cache_layout(engine)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="k3-bootstrap"),
                                   options=[("grpc.so_reuseport", 0)])

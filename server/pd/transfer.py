@@ -12,10 +12,36 @@ device (``engine/cache/deal.py`` cuts and reassembles them for the two layouts).
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 
 import jax
+
+
+WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+
+
+def transfer_host(host: str, transfer_host: str | None = None, toward: str | None = None) -> str:
+    """The address a process's transfer server binds and announces (``--transfer-host``): given,
+    that; else ``host`` (``--host``) unless it is a wildcard, which the other side cannot dial
+    (the transfer server announces the address it is bound to); then this host's own address,
+    on the route toward ``toward`` (a multi-host side's coordinator) or its hostname's."""
+    if transfer_host:
+        if transfer_host in WILDCARDS:
+            raise ValueError(f"--transfer-host {transfer_host!r}: give an address the other side can dial, not a "
+                             "wildcard")
+        return transfer_host
+    if host not in WILDCARDS:
+        return host
+    if toward:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((toward, 9))  # UDP: picks the route, sends nothing
+                return s.getsockname()[0]
+        except OSError:
+            pass
+    return socket.gethostbyname(socket.gethostname())
 
 
 class TransferEndpoint:
