@@ -10,6 +10,9 @@ same layers), then runs, each in a fresh process with 8 virtual CPU devices, mea
 peak RSS (``ru_maxrss`` of the child) and wall time:
 
 * ``preshard``: ``k3serve preshard SRC DST --recipe R --max-memory-gb G``;
+* ``preshard_procs`` (``--processes N``, default 2; 0 skips it): the same pre-shard written by N
+  processes of 8 / N devices each (``--coordinator``, gloo): the pair's wall time, and per
+  process its peak RSS and the source bytes it read;
 * ``restore``: ``load_pretrained(DST)`` into the recipe's shardings, and into ``--other``'s;
 * ``safetensors``: ``load_pretrained(SRC)`` into the recipe's shardings (the plain load).
 
@@ -69,6 +72,40 @@ def run(cmd: list[str], env: dict) -> dict:
             "stdout": out}
 
 
+def run_processes(src: Path, dst: Path, args, env: dict) -> dict:
+    """``k3serve preshard`` by ``args.processes`` processes on one machine: wall time of the
+    whole, and each process's peak RSS (MiB) and source bytes read."""
+    import socket
+    import tempfile
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    n = args.processes
+    shutil.rmtree(dst, ignore_errors=True)
+    each: list = [None] * n
+
+    def one(i):
+        cmd = [sys.executable, "-m", "k3serve.server.cli", "preshard", str(src), str(dst), "--recipe", args.recipe,
+               "--max-memory-gb", str(args.max_memory_gb), "--quiet", "--json", "--coordinator",
+               f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(i)]
+        r = run(cmd, {k: v for k, v in env.items() if k != "XLA_FLAGS"})
+        each[i] = {"peak_rss_mib": r["peak_rss_mib"],
+                   "source_bytes_read": json.loads(r["stdout"].strip().splitlines()[-1])["source_bytes_read"]}
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if any(e is None for e in each):
+        raise SystemExit("a pre-shard process failed (its error is above)")
+    shutil.rmtree(dst, ignore_errors=True)
+    return {"processes": n, "seconds": round(time.perf_counter() - t, 2), "each": each}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="0.5,2", help="checkpoint sizes in GB (approximate)")
@@ -76,6 +113,7 @@ def main() -> int:
     ap.add_argument("--recipe", default="ep=8,tp=1")
     ap.add_argument("--other", default="ep=4,tp=2,dp=2,dcp=4")
     ap.add_argument("--max-memory-gb", type=float, default=0.5)
+    ap.add_argument("--processes", type=int, default=2, help="also pre-shard with this many processes (0: no)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -103,6 +141,9 @@ def main() -> int:
         pre = run([sys.executable, "-m", "k3serve.server.cli", "preshard", str(src), str(dst), "--recipe", args.recipe,
                    "--max-memory-gb", str(args.max_memory_gb), "--quiet", "--json"], env)
         row["preshard"] = {k: pre[k] for k in ("seconds", "peak_rss_mib")}
+        row["preshard"]["source_bytes_read"] = json.loads(pre["stdout"].strip().splitlines()[-1])["source_bytes_read"]
+        if args.processes > 1:
+            row["preshard_procs"] = run_processes(src, out / f"dst-{size}-procs", args, env)
         for name, path, recipe in (("restore", dst, args.recipe), ("restore_other", dst, args.other),
                                    ("safetensors", src, args.recipe)):
             r = run([sys.executable, "-c", LOAD, str(path), recipe], env)
