@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from k3serve.server.pd.budget import HandoffBudget
@@ -100,3 +101,10 @@ def test_a_bound_too_small_for_the_longest_prompt_is_named():
     assert bound_warning(eng, None) is None and bound_warning(eng, full) is None
     why = bound_warning(eng, full - 1)
     assert "up to about 64 tokens" in why, why  # the rows double past 4 pages (powers of two)
+    # a multi-host prefill holds the export whole on each of its devices until it is cut: 4 per process here
+    devs = [SimpleNamespace(process_index=p) for p in (0, 0, 0, 0, 1, 1, 1, 1)]
+    mh = SimpleNamespace(**vars(eng), pd_role="prefill",
+                         handoff_plane=SimpleNamespace(mesh=SimpleNamespace(devices=np.array(devs, dtype=object))))
+    five = 5 * nbytes_of(export_specs(eng, 127))
+    assert bound_warning(mh, five) is None
+    assert "whole on each of 4 devices" in bound_warning(mh, five - 1)

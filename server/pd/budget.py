@@ -60,27 +60,42 @@ def nbytes_of(specs) -> int:
     return sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for s, d in specs)
 
 
+def export_copies(engine) -> int:
+    """About how many times its export one process holds for one handoff: twice (export and
+    pieces on the prefill, pieces and load inputs on the decode); on a multi-host prefill the
+    export is whole on every device of the process until it is cut, so once per local device,
+    plus the pieces."""
+    plane = getattr(engine, "handoff_plane", None)
+    if plane is None or getattr(engine, "pd_role", None) != "prefill":
+        return 2
+    per: dict = {}
+    for d in plane.mesh.devices.flat:
+        per[d.process_index] = per.get(d.process_index, 0) + 1
+    return max(per.values()) + 1
+
+
 def bound_warning(engine, limit_bytes: int | None) -> str | None:
-    """A warning when ``limit_bytes`` cannot hold the handoff of the longest prompt the engine
-    accepts (about twice its export: export and pieces on the prefill, pieces and load inputs
-    on the decode), else None."""
+    """A warning when ``limit_bytes`` (per process) cannot hold the handoff of the longest
+    prompt the engine accepts (:func:`export_copies` times its export), else None."""
     from .layout import export_specs
 
     if limit_bytes is None:
         return None
+    copies = export_copies(engine)
     longest = engine.max_model_len - 1
-    if 2 * nbytes_of(export_specs(engine, longest)) <= limit_bytes:
+    if copies * nbytes_of(export_specs(engine, longest)) <= limit_bytes:
         return None
     fits = 0
     lo, hi = 1, longest
     while lo <= hi:  # the longest prompt whose handoff fits
         mid = (lo + hi) // 2
-        if 2 * nbytes_of(export_specs(engine, mid)) <= limit_bytes:
+        if copies * nbytes_of(export_specs(engine, mid)) <= limit_bytes:
             fits, lo = mid, mid + 1
         else:
             hi = mid - 1
+    why = f", the export whole on each of {copies - 1} devices of a process" if copies > 2 else ""
     return (f"--pd-handoff-memory-gb {limit_bytes / 2**30:g} holds the handoff of prompts up to about {fits} tokens "
-            f"(max-model-len {engine.max_model_len}): longer P/D requests will be refused RESOURCE_EXHAUSTED")
+            f"(max-model-len {engine.max_model_len}{why}): longer P/D requests will be refused RESOURCE_EXHAUSTED")
 
 
 class HandoffBudget:
