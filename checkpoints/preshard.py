@@ -120,14 +120,21 @@ def _remove(paths) -> None:
             p.unlink()
 
 
+_runs = 0  # pre-shards run by this process: every process runs the same ones, in the same order
+
+
 class _Processes:
     """What the processes of a multi-process pre-shard share: barriers and an all-gather of
     small JSON values, both through the distributed runtime's key-value store (no device
-    collective). With one process both are trivial."""
+    collective), named per run (a barrier or key is used once). With one process both are
+    trivial."""
 
     def __init__(self, timeout_s: float = 1800.0):
         import jax
 
+        global _runs
+        _runs += 1
+        self.run = _runs
         self.index, self.count = jax.process_index(), jax.process_count()
         self.timeout_ms = int(timeout_s * 1000)
         self.client = None
@@ -142,14 +149,15 @@ class _Processes:
 
     def barrier(self, tag: str) -> None:
         if self.client is not None:
-            self.client.wait_at_barrier(f"k3serve/preshard/{tag}", self.timeout_ms)
+            self.client.wait_at_barrier(f"k3serve/preshard/{self.run}/{tag}", self.timeout_ms)
 
     def gather(self, tag: str, value) -> list:
         """Every process's ``value`` (JSON), in process order."""
         if self.client is None:
             return [value]
-        self.client.key_value_set(f"k3serve/preshard/{tag}/{self.index}", json.dumps(value))
-        return [json.loads(self.client.blocking_key_value_get(f"k3serve/preshard/{tag}/{i}", self.timeout_ms))
+        key = f"k3serve/preshard/{self.run}/{tag}"
+        self.client.key_value_set(f"{key}/{self.index}", json.dumps(value))
+        return [json.loads(self.client.blocking_key_value_get(f"{key}/{i}", self.timeout_ms))
                 for i in range(self.count)]
 
 
