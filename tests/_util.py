@@ -192,6 +192,34 @@ def log_tail(log, n: int = 3000) -> str:
     return log.read()[-n:]
 
 
+def stop_process(proc, timeout: float = 20) -> None:
+    """SIGTERM ``proc`` (a ``subprocess.Popen``), then SIGKILL if it is still there after
+    ``timeout`` seconds."""
+    import subprocess
+
+    if proc is None:
+        return
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def pd_idle(stub) -> bool:
+    """A server (``SglangSchedulerStub``) runs and waits for nothing, holds no page for a
+    request and has no P/D queue entry (its GetLoads)."""
+    from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+    ld = stub.GetLoads(pb.GetLoadsRequest(), timeout=10).loads[0]
+    d = ld.disaggregation
+    return (ld.num_running_reqs == ld.num_waiting_reqs == ld.num_used_tokens == 0
+            and d.prefill_prealloc_queue_reqs == d.prefill_inflight_queue_reqs == 0
+            and d.decode_prealloc_queue_reqs == d.decode_transfer_queue_reqs == 0)
+
+
 def wait_for_router(base: str, router, log, timeout: float = 120) -> str:
     """Wait until the router at ``base`` lists a model; returns its id."""
     import json

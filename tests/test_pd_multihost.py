@@ -29,7 +29,8 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from _util import child_xla_flags, free_port, log_tail, post_json as _post, tool_path, wait_for_router
+from _util import (child_xla_flags, free_port, log_tail, pd_idle, post_json as _post, stop_process, tool_path,
+                   wait_for_router)
 
 SMG = tool_path("smg")
 pytestmark = [pytest.mark.skipif(SMG is None, reason="smg (dev extra) is not installed"), pytest.mark.slow]
@@ -108,11 +109,7 @@ class Side:
             r'^k3serve_pd_handoff_memory_(bytes|peak_bytes)\{process="(\d+)"\} (\S+)$', self._metrics(), re.M)}
 
     def idle(self) -> bool:
-        ld = self.stub.GetLoads(pb.GetLoadsRequest(), timeout=10).loads[0]
-        d = ld.disaggregation
-        return (ld.num_running_reqs == ld.num_waiting_reqs == ld.num_used_tokens == 0
-                and d.prefill_prealloc_queue_reqs == d.prefill_inflight_queue_reqs == 0
-                and d.decode_prealloc_queue_reqs == d.decode_transfer_queue_reqs == 0)
+        return pd_idle(self.stub)
 
     def close(self):
         self.channel.close()
@@ -166,12 +163,7 @@ def stack(tmp_path_factory, cache_home):
                "dec": dec, "log": log, "boot": boot, "ckpt": ckpt, "env": env}
         uni.close()
     finally:
-        if router is not None:
-            router.terminate()
-            try:
-                router.wait(20)
-            except subprocess.TimeoutExpired:
-                router.kill()
+        stop_process(router)
         if server is not None:
             server.shutdown(grace_s=5)
         for s in made:

@@ -24,8 +24,8 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from _util import (assert_all_free, free_port, log_tail, post_json as _post, tiny_text_checkpoint, tool_path,
-                   wait_for_router)
+from _util import (assert_all_free, free_port, log_tail, pd_idle, post_json as _post, stop_process,
+                   tiny_text_checkpoint, tool_path, wait_for_router)
 
 SMG = tool_path("smg")
 pytestmark = [pytest.mark.skipif(SMG is None, reason="smg (dev extra) is not installed"),
@@ -93,11 +93,7 @@ class Proc:
 
     def idle(self) -> bool:
         """Nothing running or waiting, no page held by a request, no P/D queue."""
-        ld = self.load()
-        d = ld.disaggregation
-        return (ld.num_running_reqs == ld.num_waiting_reqs == ld.num_used_tokens == 0
-                and d.prefill_prealloc_queue_reqs == d.prefill_inflight_queue_reqs == 0
-                and d.decode_prealloc_queue_reqs == d.decode_transfer_queue_reqs == 0)
+        return pd_idle(self.stub)
 
     def close(self):
         self.channel.close()
@@ -144,12 +140,7 @@ def stack(tmp_path_factory, cache_home):
         yield {"base": base, "tok": tok, "model": model, "uni": uni, "pre": pre, "dec": dec,
                "local_dec": local_dec, "log": log}
     finally:
-        if router is not None:
-            router.terminate()
-            try:
-                router.wait(20)
-            except subprocess.TimeoutExpired:
-                router.kill()
+        stop_process(router)
         for s in made:
             s.close()
         log.close()

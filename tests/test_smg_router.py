@@ -15,7 +15,8 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from _util import free_port, log_tail, post_json as _post, tiny_text_checkpoint, tool_path, wait_for_router
+from _util import (free_port, log_tail, post_json as _post, stop_process, tiny_text_checkpoint, tool_path,
+                   wait_for_router)
 
 SMG = tool_path("smg")
 pytestmark = [pytest.mark.skipif(SMG is None, reason="smg (dev extra) is not installed"),
@@ -67,11 +68,7 @@ def stack(tmp_path_factory):
                "loading": loading}
         channel.close()
     finally:
-        router.terminate()
-        try:
-            router.wait(20)
-        except subprocess.TimeoutExpired:
-            router.kill()
+        stop_process(router)
         if server is not None:
             server.shutdown(grace_s=5)
         log.close()

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 from _json_schema_check import problems
-from _util import free_port, log_tail, post_json, tiny_text_checkpoint, tool_path, wait_for_router
+from _util import free_port, log_tail, post_json, stop_process, tiny_text_checkpoint, tool_path, wait_for_router
 
 from k3serve.server.structured.xgrammar_native import available
 
@@ -71,11 +71,7 @@ def stack(tmp_path_factory):
         model = wait_for_router(base, router, log)
         yield {"base": base, "model": model, "log": log, "engine": eng, "tok": tok, "port": port}
     finally:
-        router.terminate()
-        try:
-            router.wait(20)
-        except subprocess.TimeoutExpired:
-            router.kill()
+        stop_process(router)
         if server is not None:
             server.shutdown(grace_s=5)
         log.close()
