@@ -101,6 +101,7 @@ def test_a_bound_too_small_for_the_longest_prompt_is_named():
     assert bound_warning(eng, None) is None and bound_warning(eng, full) is None
     why = bound_warning(eng, full - 1)
     assert "up to about 64 tokens" in why, why  # the rows double past 4 pages (powers of two)
+    assert f"--pd-handoff-memory-gb {-(-full * 100 // 2**30) / 100:g} holds the longest" in why, why
     # a multi-host prefill holds the export whole on each of its devices until it is cut: 4 per process here
     devs = [SimpleNamespace(process_index=p) for p in (0, 0, 0, 0, 1, 1, 1, 1)]
     mh = SimpleNamespace(**vars(eng), pd_role="prefill",

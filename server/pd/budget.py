@@ -83,7 +83,8 @@ def bound_warning(engine, limit_bytes: int | None) -> str | None:
         return None
     copies = export_copies(engine)
     longest = engine.max_model_len - 1
-    if copies * nbytes_of(export_specs(engine, longest)) <= limit_bytes:
+    need = copies * nbytes_of(export_specs(engine, longest))
+    if need <= limit_bytes:
         return None
     fits = 0
     lo, hi = 1, longest
@@ -95,7 +96,8 @@ def bound_warning(engine, limit_bytes: int | None) -> str | None:
             hi = mid - 1
     why = f", the export whole on each of {copies - 1} devices of a process" if copies > 2 else ""
     return (f"--pd-handoff-memory-gb {limit_bytes / 2**30:g} holds the handoff of prompts up to about {fits} tokens "
-            f"(max-model-len {engine.max_model_len}{why}): longer P/D requests will be refused RESOURCE_EXHAUSTED")
+            f"(max-model-len {engine.max_model_len}{why}): longer P/D requests will be refused RESOURCE_EXHAUSTED; "
+            f"--pd-handoff-memory-gb {-(-need * 100 // 2**30) / 100:g} holds the longest")
 
 
 class HandoffBudget:
