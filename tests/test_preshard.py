@@ -122,8 +122,8 @@ def test_two_processes_write_a_preshard_that_restores_under_any_process_count(sr
     """Issue #36: two processes of four devices write a pre-shard for ``ep=8,tp=1``, each
     reading from the source only its devices' slices; the run is interrupted after its second
     part and resumed by two processes (the CLI). The result restores under one process of
-    eight devices and under four of two (for the same recipe, and for ``ep=4,tp=2,dp=2,dcp=4``),
-    every shard bit-identical to a safetensors load for that recipe; it
+    eight devices and under four of two, every shard bit-identical to a safetensors load for
+    that recipe (a restore under another recipe is the round trips' above); it
     holds the same arrays as one process's pre-shard (equal ``sum64`` per array, equal
     fingerprints); ``verify`` on one device passes with the source (every slice a process
     read, and the logits) and names an array whose stored bytes were changed."""
@@ -157,9 +157,9 @@ def test_two_processes_write_a_preshard_that_restores_under_any_process_count(sr
     assert any("[" in k for k in man["source"]["tensors"])  # slices, each hashed by the process that read it
     assert model_digest(dst) == model_digest(one_process_a)
 
-    for n, recipe in ((1, A), (4, A), (4, B)):  # B: resharded on read
-        for x in restore_in(n, src, dst, recipe):
-            assert x["differ"] == 0 and x["arrays"] > 50, (n, recipe, x)
+    for n in (1, 4):
+        for x in restore_in(n, src, dst, A):
+            assert x["differ"] == 0 and x["arrays"] > 50, (n, x)
 
     out = verify(dst, src)
     assert out["logits_gap"] == 0.0 and out["source_tensors"] > 100, out
