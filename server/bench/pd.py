@@ -138,7 +138,8 @@ def _subprocess_pass(a, model_dir, kw, trace, rkw) -> dict:
     """The pd pass with each side as ``k3serve serve`` subprocesses (``pd_sides.py``)."""
     from k3serve.server.client.replay import replay
 
-    from .pd_sides import Side, _free_port
+    from .pd_sides import Side
+    from .smg_router import free_port
 
     n, dev = a.processes_per_side, a.devices_per_side
     print(f"bench pd: pass 'pd', {n} process(es) per side, {dev} devices per side ({len(trace)} requests)...",
@@ -148,7 +149,7 @@ def _subprocess_pass(a, model_dir, kw, trace, rkw) -> dict:
              str(kw["max_num_batched_tokens"])]
     # a prefill waits for its decode's reservation as long as the trace may take: a CPU
     # multi-host decode is slow (gloo collectives every step), and the bench measures handoffs
-    pre = Side(model_dir, "prefill", a.prefill_recipe, n, dev, flags + ["--pd-wait", "600"], boot=_free_port())
+    pre = Side(model_dir, "prefill", a.prefill_recipe, n, dev, flags + ["--pd-wait", "600"], boot=free_port())
     dec = Side(model_dir, "decode", a.decode_recipe, n, dev, flags)
     try:
         pre.wait_serving()

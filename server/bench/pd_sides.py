@@ -7,18 +7,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .smg_router import free_port
 
 
 class Side:
@@ -28,7 +23,7 @@ class Side:
                  boot: int | None = None):
         if devices % procs:
             raise ValueError(f"{devices} devices do not split over {procs} processes")
-        self.port, self.metrics_port, coord = _free_port(), _free_port(), _free_port()
+        self.port, self.metrics_port, coord = free_port(), free_port(), free_port()
         self.boot = boot
         env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices // procs}",
                    JAX_PLATFORMS="cpu")
@@ -40,7 +35,7 @@ class Side:
                 if procs > 1 else []
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "k3serve.server.cli", "serve", "--model", str(model_dir), "--role", role,
-                 "--recipe", recipe, "--port", str(self.port if i == 0 else _free_port()), "--metrics-port",
+                 "--recipe", recipe, "--port", str(self.port if i == 0 else free_port()), "--metrics-port",
                  str(self.metrics_port if i == 0 else -1), *cluster, *engine_flags, *extra],
                 stdout=self.logs[i], stderr=subprocess.STDOUT, env=env))
 

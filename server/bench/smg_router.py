@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -67,7 +67,7 @@ def router(model_dir, *, worker: int | None = None, prefill: tuple[int, int] | N
            decode: int | None = None, timeout_s: float = 120.0):
     """Yield the base URL of an smg router over the gRPC server on port ``worker``, or in P/D
     mode over ``prefill`` = (port, bootstrap port) and ``decode``."""
-    http, prom = _free_port(), _free_port()
+    http, prom = free_port(), free_port()
     if worker is not None:
         workers = ["--worker-urls", f"grpc://127.0.0.1:{worker}"]
     else:

@@ -50,7 +50,8 @@ class Room:
     error: HandoffError | None = None
     staged_at: float | None = None
     decode_left: bool = False  # the decode's AwaitHandoff ended (cancelled): nothing to stage for
-    charged: Share = Share((0,))  # handoff memory this room holds, per process (given back when it ends)
+    charged: Share = Share((0,))  # handoff memory this room holds, per process (given back when it ends;
+    # Rooms sizes it to the side's processes)
     export_bytes: Share = Share((0,))  # of which the export, given back once it is cut into pieces
 
 
@@ -75,7 +76,7 @@ class Rooms:
             self._sweep()
             room = self._rooms.get(key)
             if room is None:
-                room = self._rooms[key] = Room(key)
+                room = self._rooms[key] = Room(key, charged=self._nothing())
             return room
 
     def tombstone(self, key) -> HandoffError | None:
@@ -98,16 +99,14 @@ class Rooms:
         with self._lock:
             if self._rooms.get(room.key) is not room or room.done.is_set():
                 return False
-            room.charged = nbytes + room.charged if room.charged else nbytes
+            room.charged += nbytes
             return True
 
     def refund(self, room: Room, nbytes: Share) -> None:
         """Give back part of what ``room`` holds (e.g. the export, once cut into pieces)."""
         with self._lock:
-            if not room.charged:
-                return
             nbytes = nbytes.minimum(room.charged)
-            room.charged = room.charged - nbytes
+            room.charged -= nbytes
         self.budget.release(nbytes)
 
     def fail(self, key, err: HandoffError) -> None:
@@ -134,8 +133,11 @@ class Rooms:
         room = self._rooms.pop(key, None)
         if room is not None and room.charged:
             self.budget.release(room.charged)
-            room.charged = Share((0,))
+            room.charged = self._nothing()
         return room
+
+    def _nothing(self) -> Share:
+        return Share.of(0, self.budget.processes)
 
     def _sweep(self) -> None:
         now = time.monotonic()

@@ -251,9 +251,9 @@ class HandoffTarget:
         return where
 
     def pull_devices(self) -> list:
-        """One device per piece to pull it onto: the first that needs it."""
-        where = self._first_needers(
-            lambda w: self.shardings[w].addressable_devices_indices_map(self.shapes[w]))
+        """One device per piece to pull it onto: the first that needs it (every piece has one:
+        a one-process engine)."""
+        where = self.local_pull_devices()
         if any(d is None for d in where):
             raise RuntimeError(f"no device of this engine holds piece(s) {[i for i, d in enumerate(where) if d is None]}")
         return where

@@ -212,13 +212,16 @@ def all_ready(arrays, deadline: float) -> bool:
     poll = 0.002
     pending = list(arrays)
     while pending:
-        ready = [a for a in pending if a.is_ready()]
-        for a in ready:
+        waiting = []
+        for a in pending:
+            if not a.is_ready():
+                waiting.append(a)
+                continue
             try:
                 a.block_until_ready()  # ready: returns at once, or raises the pull's error
             except Exception:  # noqa: BLE001 - any error means the bytes are not here
                 return False
-        pending = [a for a in pending if not any(a is r for r in ready)]
+        pending = waiting
         if not pending:
             return True
         if time.monotonic() >= deadline:
