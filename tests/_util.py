@@ -208,6 +208,27 @@ def stop_process(proc, timeout: float = 20) -> None:
         proc.wait(10)
 
 
+def wait_scheduler_healthy(stub, procs, logs=lambda i: "", timeout: float = 300, interval: float = 0.2) -> None:
+    """Until the scheduler service behind ``stub`` answers HealthCheck healthy; fails at once
+    when one of ``procs`` (the server's processes) has exited (``logs(i)``: what to show)."""
+    import time
+
+    import grpc
+    from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+    t = time.monotonic() + timeout
+    while time.monotonic() < t:
+        for i, p in enumerate(procs):
+            assert p.poll() is None, f"process {i} exited {p.returncode}:\n{logs(i)}"
+        try:
+            if stub.HealthCheck(pb.HealthCheckRequest(), timeout=2).healthy:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(interval)
+    raise TimeoutError(f"never healthy:\n{logs(0)}")
+
+
 def pd_idle(stub) -> bool:
     """A server (``SglangSchedulerStub``) runs and waits for nothing, holds no page for a
     request and has no P/D queue entry (its GetLoads)."""

@@ -30,7 +30,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from _util import (child_xla_flags, free_port, log_tail, pd_idle, post_json as _post, stop_process, tool_path,
-                   wait_for_router)
+                   wait_for_router, wait_scheduler_healthy)
 
 SMG = tool_path("smg")
 pytestmark = [pytest.mark.skipif(SMG is None, reason="smg (dev extra) is not installed"), pytest.mark.slow]
@@ -82,17 +82,7 @@ class Side:
         return "".join(ln for ln in self.logs[i] if "[Gloo]" not in ln)[-4000:]
 
     def wait_healthy(self, timeout=600):
-        t = time.monotonic() + timeout
-        while time.monotonic() < t:
-            for i, p in enumerate(self.procs):
-                assert p.poll() is None, f"process {i} exited {p.returncode}:\n{self.log(i)}"
-            try:
-                if self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=2).healthy:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"never healthy:\n{self.log(0)}\n{self.log(1)}")
+        wait_scheduler_healthy(self.stub, self.procs, self.log, timeout, interval=0.5)
 
     def _metrics(self) -> str:
         import urllib.request

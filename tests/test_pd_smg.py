@@ -25,7 +25,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from _util import (assert_all_free, free_port, log_tail, pd_idle, post_json as _post, stop_process,
-                   tiny_text_checkpoint, tool_path, wait_for_router)
+                   tiny_text_checkpoint, tool_path, wait_for_router, wait_scheduler_healthy)
 
 SMG = tool_path("smg")
 pytestmark = [pytest.mark.skipif(SMG is None, reason="smg (dev extra) is not installed"),
@@ -77,16 +77,7 @@ class Proc:
         self.stub = pb_grpc.SglangSchedulerStub(self.channel)
 
     def wait_healthy(self, timeout=300):
-        t = time.monotonic() + timeout
-        while time.monotonic() < t:
-            assert self.proc.poll() is None, self.proc.stdout.read()
-            try:
-                if self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=2).healthy:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("server never became healthy")
+        wait_scheduler_healthy(self.stub, [self.proc], lambda i: self.proc.stdout.read(), timeout)
 
     def load(self):
         return self.stub.GetLoads(pb.GetLoadsRequest(), timeout=10).loads[0]
