@@ -38,6 +38,7 @@ from .layer_plan import part_of, plan_layers
 from .layers import F32, AttnResWeights, GatedMLP, Linear, RMSNorm, attn_res_bank, param
 from .mla import MLA, write_latent_rows
 from .moe import MoE
+from .packed_rows import is_packed, unpack_rows
 
 
 class AttnBlock(nnx.Module):
@@ -360,7 +361,11 @@ class KimiLM(nnx.Module):
         # the other parameters are sliced per layer
         attn_parts = [nnx.split(blk) for blk in self.attn]
         ffn_parts = [nnx.split(blk, nnx.Not(_EXPERTS), _EXPERTS) for blk in self.ffn]
-        rows_of = lambda tree, row: jax.tree.map(lambda a: a[row], tree)
+        # a layer stack stored packed (``model.packed_rows``: uint32 row pairs, the matmuls'
+        # tiling on a TPU) is unpacked per layer: in the scan's body, in VMEM, where the
+        # layer's slice is read
+        rows_of = lambda tree, row: jax.tree.map(
+            lambda a: unpack_rows(a[row], self.dtype) if is_packed(a) else a[row], tree)
 
         def attn_at(a, row) -> AttnBlock:
             g, s = attn_parts[a]

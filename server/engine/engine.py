@@ -65,7 +65,7 @@ class Engine:
                  prefix_snapshots: int | None = None, prefix_cache_bytes: int | None = None,
                  prefix_host_bytes: int = 1 << 30, bucket_growth: int = 8, dispatch=None, pd_handoff_bytes: int = 0,
                  pd_role: str | None = None, abstract: bool = False, speculative: dict | None = None,
-                 drafter=None, tokenizer=None, max_n: int = 8):
+                 drafter=None, tokenizer=None, max_n: int = 8, pack_layer_stacks: bool | None = None):
         """``abstract``: build the engine for compiling only (``aot_build``, ``k3serve compile``):
         ``model.params`` are ``ShapeDtypeStruct``s already placed on ``devices`` (by the recipe's
         ``placement_for``, or on ``devices[0]``), the cache and the runner's arrays are made as
@@ -79,9 +79,15 @@ class Engine:
         sampling too). ``drafter`` (tests): an object with ``propose(req, max_tokens, after=())``
         and ``finish(req, keep)`` used instead of the method's. Speculation runs under every
         recipe (attention DP: each group journals in its own block of entries), with async or
-        synchronous scheduling (async: ``spec_follow.py``)."""
+        synchronous scheduling (async: ``spec_follow.py``).
+
+        ``pack_layer_stacks`` (default: on a TPU): store the 16-bit layer stacks as ``uint32``
+        row pairs, the tiling XLA:TPU's matmuls read (``model.packed_rows``), so that no step
+        re-tiles them. Lossless; the caller's model takes the packed stacks too (it reads
+        them as before), so no stack is held twice."""
         from .dispatch import LocalDispatch
 
+        caller = model  # the model given (a DSpark pool or a recipe copies it below)
         cfg = model.config
         spec_k, spec_rows = 0, None
         draft = None
@@ -136,6 +142,19 @@ class Engine:
             from ...sharding.parallel import StepParallel
 
             self.par = StepParallel(self.recipe, self.mesh)
+        if pack_layer_stacks is None:
+            import jax
+
+            pack_layer_stacks = (list(devices) if devices else jax.devices())[0].platform == "tpu"
+        self.packed_layer_stacks = bool(pack_layer_stacks)
+        if pack_layer_stacks:
+            from ...model.packed_rows import adopt_packed
+            from ...model.packed_rows import pack_layer_stacks as pack
+
+            before, model.params = model.params, pack(model.params)
+            if caller is not model:  # what it shared with the engine's model, it now shares packed
+                caller.params = adopt_packed(caller.params, before, model.params)
+            del before  # the 16-bit stacks go with the last state that held them, before the cache is made
         dp, dcp = (self.recipe.dp, self.recipe.dcp) if self.recipe is not None else (1, 1)
         self.max_model_len = max_model_len
         if detokenizer is None and tokenizer is not None:
