@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default=None, metavar="REGEX",
                    help="compile only the programs whose name matches (e.g. 'step|decode'); the rest are not "
                         "reported, and the per-device total counts only their temporaries")
+    p.add_argument("--no-pack-layer-stacks", action="store_true",
+                   help="keep the 16-bit layer stacks as 16-bit arrays (serve on a TPU stores them packed as "
+                        "uint32 row pairs, the matmuls' tiling: docs/compile.md); for comparison")
     p.add_argument("--no-decode-costs", action="store_true",
                    help="skip the per-layer decode programs (the decode step's summed cost)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the report as JSON to OUT ('-': stdout)")
@@ -97,7 +100,8 @@ def engine_kwargs(args) -> dict:
     return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 chunk_size=args.chunk_size, page_size=args.page_size, max_model_len=args.max_model_len,
                 bucket_growth=args.bucket_growth, pd_role=None if args.role == "unified" else args.role,
-                pd_handoff_bytes=pd_handoff_bytes(args), **prefix_kwargs(args), **spec_kwargs(args), **kv)
+                pd_handoff_bytes=pd_handoff_bytes(args), pack_layer_stacks=not args.no_pack_layer_stacks,
+                **prefix_kwargs(args), **spec_kwargs(args), **kv)
 
 
 def _failed(name: str, error: str, seconds: float = 0.0) -> dict:
@@ -178,18 +182,20 @@ def run(args, log=print) -> dict:
         recipe = engine.recipe or Recipe.parse("ep=1,tp=1")
         plan = plan_figures(cfg, recipe, dtype=dtype, max_num_seqs=args.max_num_seqs,
                             max_model_len=args.max_model_len, snapshots=plan_cap.snapshot_slots,
-                            hbm_bytes=rep["hbm_per_device"])
+                            hbm_bytes=rep["hbm_per_device"], packed=engine.packed_layer_stacks,
+                            step_tokens=max(engine.runner.shape_buckets()))
         rep["per_device_bytes"]["plan"] = plan["per_device_bytes"]
         rep["plan_parts"] = {"weights": plan["weights_per_device"], "caches": plan["caches_per_device"],
-                             "retiled": plan["retiled_per_device"]}
+                             "retiled": plan["retiled_per_device"], "activations": plan["activations_per_device"]}
         rep["decode"].update(plan_bytes=plan["decode_bytes"], plan_collectives=plan["decode_collectives"],
                              plan_collective_parts=plan["decode_collective_parts"])
     except Exception as e:  # noqa: BLE001
         rep["decode"]["plan_error"] = f"{type(e).__name__}: {e}"
     ok = True
     if not args.no_decode_costs and want("decode_layers[]"):
+        # straight-line layers read 16-bit stacks once (``aot_build.decode_costs``): not packed
         var_kw = dict(kw, num_pages=plan_cap.num_pages, kv_memory_bytes=None,
-                      prefix_snapshots=plan_cap.snapshot_slots or None)
+                      prefix_snapshots=plan_cap.snapshot_slots or None, pack_layer_stacks=False)
 
         def build(var_cfg):
             return abstract_engine(var_cfg, devices=devices, recipe=args.recipe, dtype=dtype, kernels=args.kernels,

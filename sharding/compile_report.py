@@ -10,11 +10,14 @@ GiB = 2 ** 30
 
 
 def plan_figures(cfg, recipe, *, dtype: str, max_num_seqs: int, max_model_len: int,
-                 snapshots: int, hbm_bytes: float | None) -> dict:
+                 snapshots: int, hbm_bytes: float | None, packed: bool = True, step_tokens: int = 0) -> dict:
     """The planner's per-device bytes of a server with these flags (weights + ``max_num_seqs``
-    requests at ``max_model_len`` tokens with their snapshot slots per attention DP group +
-    the layer stacks the step re-tiles, ``memory.retiled_per_device``) and its decode step (one token per row, ``max_num_seqs`` rows): HBM bytes and collectives."""
-    from .memory import param_inventory, plan_memory, retiled_per_device
+    requests at ``max_model_len`` tokens with their snapshot slots per attention DP group +,
+    unless the engine stores its layer stacks ``packed`` (``model.packed_rows``), the stacks
+    the step re-tiles, ``memory.retiled_per_device``, + the activations of a ``step_tokens``
+    step, ``memory.step_activations_per_device``) and its decode step (one token per row,
+    ``max_num_seqs`` rows): HBM bytes and collectives."""
+    from .memory import param_inventory, plan_memory, retiled_per_device, step_activations_per_device
     from .roofline import TPU7X, step_cost
 
     inv = param_inventory(cfg, dtype)
@@ -25,9 +28,11 @@ def plan_figures(cfg, recipe, *, dtype: str, max_num_seqs: int, max_model_len: i
     rows = -(-max_num_seqs // recipe.dp)  # requests one DP group holds
     step = step_cost(cfg, recipe, inv, context_len=max_model_len, concurrency=max_num_seqs)
     caches = rows * mem.per_request_per_device
-    retiled = retiled_per_device(inv, recipe)
-    return {"per_device_bytes": mem.weights_per_device + caches + retiled,
+    retiled = 0.0 if packed else retiled_per_device(inv, recipe)
+    acts = step_activations_per_device(cfg, recipe, step_tokens) if step_tokens else 0.0
+    return {"per_device_bytes": mem.weights_per_device + caches + retiled + acts,
             "weights_per_device": mem.weights_per_device, "caches_per_device": caches, "retiled_per_device": retiled,
+            "activations_per_device": acts,
             "decode_bytes": sum(step.hbm_bytes.values()), "decode_collectives": step.collectives,
             "decode_collective_parts": dict(step.collective_parts)}
 
@@ -43,7 +48,7 @@ def _plan_parts(rep: dict) -> str:
     if not pp:
         return ""
     return (f" (weights {_gib(pp['weights'])}, caches {_gib(pp['caches'])}, re-tiled layer stacks "
-            f"{_gib(pp['retiled'])})")
+            f"{_gib(pp['retiled'])}, step activations {_gib(pp.get('activations', 0))})")
 
 
 def format_report(rep: dict) -> str:
@@ -83,7 +88,8 @@ def format_report(rep: dict) -> str:
                    f"{'-' if plan is None else f'{plan / 1e9:.2f}'} GB; "
                    f"{'-' if d.get('flops') is None else format(d.get('flops') / 1e9, '.1f')} GFLOP; collectives "
                    f"{d.get('collectives')} (planner {d.get('plan_collectives')}"
-                   + "".join(f"; {k} {v}" for k, v in (d.get("plan_collective_parts") or {}).items()) + ")")
+                   + "".join(f"; {k} {v}" for k, v in (d.get("plan_collective_parts") or {}).items()) + ")"
+                   + (f"; EP exchange: its {d['ep_exchange']}" if d.get("ep_exchange") else ""))
         for kind, f in (d.get("per_layer") or {}).items():
             out.append(f"    per {kind} layer (x{f['layers']}): {f['bytes_accessed'] / 1e9:.3f} GB, "
                        f"{f['flops'] / 1e9:.2f} GFLOP, {f['collectives']:.0f} collectives")

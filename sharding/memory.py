@@ -96,20 +96,42 @@ def local_shape(path: str, shape: tuple, recipe: Recipe) -> tuple[int, ...]:
 
 def retiled_per_device(inventory, recipe: Recipe) -> float:
     """Bytes per device of the 16-bit layer-stacked weights XLA:TPU re-tiles inside every step
-    program: stored in the default ``(8, 128)`` tiling, read by the matmuls in ``(16, 128)``,
-    converted whole before the layer loop into a temporary as large as the stack. Which stacks:
-    rank >= 3, at least 16 rows and more than 128 columns per device — the ones libtpu 0.0.42.1
-    copies in K3's compiled steps (docs/compile.md, "What the step still re-tiles"). Storing the
-    parameters in the matmuls' tiling would remove this, but the compiler drops a tiling given
-    to a parameter that is split over devices (same page)."""
+    program when they are stored as 16-bit arrays: in the default ``(8, 128)`` tiling, read by
+    the matmuls in ``(16, 128)``, converted whole before the layer loop into a temporary as
+    large as the stack. Which stacks: rank >= 3, at least 16 rows and more than 128 columns per
+    device — the ones libtpu 0.0.42.1 copies in K3's compiled steps (docs/compile.md, "The layer
+    stacks, stored in the matmuls' tiling"). An engine on a TPU stores exactly these packed (``model.packed_rows``),
+    and then nothing is re-tiled."""
+    from ..model.packed_rows import packable_shape
+
     total = 0.0
     for path, shape, itemsize in inventory:
-        if itemsize != 2 or len(shape) < 3:
-            continue
-        local = local_shape(path, shape, recipe)
-        if local[-2] >= 16 and local[-1] > 128:
+        local = local_shape(path, shape, recipe) if len(shape) >= 3 else shape
+        if packable_shape(local, itemsize):
             total += math.prod(local) * itemsize
     return total
+
+
+def step_activations_per_device(cfg, recipe: Recipe, tokens: int) -> float:
+    """Bytes per device of a step's largest activations, ``tokens`` tokens per DP group (the
+    engine's token buckets count per group): the residual
+    stream and the AttnRes bank (fp32 ``[blocks + 2, rows, D]``) and one MoE layer's
+    expert-exchange buffers at their worst case (every pair of every rank's tokens: the
+    received rows ``[rows * k, latent]`` bf16, ``h`` ``[rows * k, I]`` bf16 after its gather
+    over ``"tp"``, the outputs ``[rows * k, latent / tp]`` fp32). ``rows``: ``tokens``, split
+    over ``sp`` on steps that use SP. A model of what dominates the compiler's
+    temporaries on long steps (v7-32-prefill, 8,192 tokens: docs/choosing-a-recipe.md); small
+    at decode sizes."""
+    rows = tokens
+    if recipe.sp > 1 and rows >= recipe.sp_min_rows:
+        rows = -(-rows // recipe.sp)
+    stream = (cfg.num_attn_res_blocks + 2) * rows * cfg.hidden_size * 4
+    if not cfg.num_experts:
+        return float(stream)
+    pairs = rows * cfg.num_experts_per_token
+    latent = cfg.expert_input_size
+    exchange = pairs * (latent * 2 + cfg.moe_intermediate_size * 2 + latent // recipe.tp * 4)
+    return float(stream + exchange)
 
 
 def weights_per_device(inventory, recipe: Recipe) -> float:

@@ -6,7 +6,10 @@ Why: the compiled K3 step under ``v7-32-decode-dp2`` (``k3serve compile --topolo
 ``--xla_dump_to``) converts these 16-bit stacks from the default ``(8, 128)`` tiling to the
 matmuls' ``(16, 128)`` before its layer loop, each into a temporary of its own size; the
 planner's per-device figure counts them (docs/compile.md). The list below is the compiler's:
-the shapes of the ``copy`` ops on parameters in that program's optimized HLO.
+the shapes of the ``copy`` ops on parameters in that program's optimized HLO. Since the engine
+stores exactly these stacks packed on a TPU (``model.packed_rows``, whose rule this is), the
+count is what ``k3serve compile --no-pack-layer-stacks`` adds to the planner's figure;
+``test_packed_rows.py`` checks that packed stacks are not copied.
 """
 from __future__ import annotations
 
@@ -53,3 +56,18 @@ def test_local_shape_follows_the_placement():
     # the 8-bit expert stacks are not re-tiled (their default tiling is what the kernel reads)
     inv = [("ffn.1.block_sparse_moe.experts.w1_packed", (92, 896, 3072, 1792), 1)]
     assert retiled_per_device(inv, recipe) == 0
+
+
+def test_the_planner_counts_a_long_steps_activations():
+    """``memory.step_activations_per_device``: v7-32-prefill's 8,192-token step (no SP, EP32):
+    the residual stream and AttnRes bank (10 fp32 rows of 7,168 a token) and one MoE layer's
+    worst-case exchange (16 pairs a token: 3,584 bf16 in, 3,072 bf16 h, 3,584 fp32 out). The
+    compiler's largest temporaries there are 9.88 GiB (docs/compile.md); at 64 decode rows the
+    term is tens of MiB."""
+    from k3serve.sharding.memory import step_activations_per_device
+
+    cfg = k3_full()
+    want = 8192 * (10 * 7168 * 4 + 16 * (3584 * 2 + 3072 * 2 + 3584 * 4))
+    assert step_activations_per_device(cfg, Recipe.parse("v7-32-prefill"), 8192) == want
+    assert abs(want / 2**30 - 5.56) < 0.01
+    assert step_activations_per_device(cfg, Recipe.parse("v7-32-decode"), 64) < 40 * 2**20
