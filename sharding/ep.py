@@ -70,6 +70,9 @@ Two exchanges implement steps 2 and 4 (same results):
   63 MB against the worst case's 167 MB (one MoE layer's exchange compiled for tpu7x: 403 MB
   accessed against 507 MB, 340 MB of both the expert tiles). XLA's cost analysis counts a
   ``cond`` at its larger branch, so a compiled step's "bytes accessed" shows the worst case.
+* ``impl="ragged-usual"``: the ragged exchange's usual branch alone (no ``cond``): what a step
+  whose routing fits the capped buffers runs. Pairs past a receiver's capacity would be lost,
+  so it is for cost programs only (``k3serve compile``'s decode figures), never for serving.
 * ``impl="auto"`` (default): ``"padded"`` when the mesh's devices are CPUs, else
   ``"ragged"`` (GPU and TPU implement the ragged collective; checked on one H200 with
   jax 0.11.2 at ep=1 only -- the CPU tests check its offsets with an emulated collective).
@@ -86,7 +89,7 @@ from jax.sharding import PartitionSpec as P
 from ..kernels.mxfp4 import unpack_mxfp4
 from .mesh import EXPERTS, param_spec
 
-IMPLS = ("auto", "padded", "ragged")
+IMPLS = ("auto", "padded", "ragged", "ragged-usual")
 # a split input this small (the whole group's rows, all columns) is gathered whole in one
 # collective: at decode sizes a collective's latency, not its bytes, is the cost
 _GATHER_WHOLE_BYTES = 1 << 20
@@ -281,7 +284,7 @@ def _dispatch_combine(x, idx, wts, w1, w2, w3, layer, *, act, E, ep, n, k, compu
         K_loc = y_recv.shape[1]
         back = jax.lax.all_to_all(y_recv.reshape(ep, C, K_loc), EXPERTS, 0, 0, tiled=True)
         y_pairs = back[jnp.minimum(dest, ep - 1), pos]
-    elif impl == "ragged":
+    elif impl in ("ragged", "ragged-usual"):
         # every rank learns the whole routing (sizes of every source for every destination) in
         # one gather, so each sender knows where its rows land in a compact receive buffer, and
         # every rank takes the same branch: buffers of `cap` rows (twice the balanced load)
@@ -312,7 +315,8 @@ def _dispatch_combine(x, idx, wts, w1, w2, w3, layer, *, act, E, ep, n, k, compu
         if cap < ep * C:
             offs = jnp.cumsum(counts, axis=0) - counts  # [source, dest]: source s's rows at dest d start here
             fits = jnp.max(jnp.sum(counts, axis=0)) <= cap  # the same on every rank
-            y_pairs = jax.lax.cond(fits, lambda: exchange(cap, offs[me], offs[:, me]), worst)
+            usual = lambda: exchange(cap, offs[me], offs[:, me])  # noqa: E731
+            y_pairs = usual() if impl == "ragged-usual" else jax.lax.cond(fits, usual, worst)
         else:
             y_pairs = worst()
         K_loc = y_pairs.shape[1]

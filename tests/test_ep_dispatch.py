@@ -154,11 +154,17 @@ SCRIPT = textwrap.dedent('''
                 cap = ep_mod.receive_capacity(-(-13 // r.ep), k, r.ep)
                 out["ragged_fits_cap"] = [bool(np.bincount((c[1] // El).ravel(), minlength=r.ep).max() <= cap)
                                           for c in (cases["n13"], same_rank_case(El))]
+                # the usual branch alone (cost programs): the same on routing that fits, and no cond
+                gu = jitted(mesh, "ragged-usual")
+                out["ragged_usual_err"] = rel(gu(*args), ref("dense", "n13", cases["n13"]))
+                text = gu.lower(*args).as_text()
+                out["ragged_usual_has_cond"] = "stablehlo.case" in text or "stablehlo.if" in text
             finally:
                 ep_mod._ragged_all_to_all = jax.lax.ragged_all_to_all
     out["hlo_padded_has_a2a"] = "all_to_all" in out["hlo_padded"] or "all-to-all" in out["hlo_padded"]
     out["hlo_padded_has_ragged"] = "ragged" in out["hlo_padded"]
     out["hlo_ragged_has_ragged"] = "ragged_all_to_all" in out["hlo_ragged"] or "ragged-all-to-all" in out["hlo_ragged"]
+    out["hlo_ragged_has_cond"] = "stablehlo.case" in out["hlo_ragged"] or "stablehlo.if" in out["hlo_ragged"]
     del out["hlo_padded"], out["hlo_ragged"]
     out["seconds"] = time.time() - t0
     print(json.dumps(out))
@@ -203,11 +209,15 @@ def test_invalid_tokens_are_not_dispatched():
 def test_ragged_offsets_with_emulated_collective():
     """The ragged path's sizes/offsets through an all_gather-based stand-in for the collective,
     on both of its branches: random routing fits the compact buffers of twice the balanced load,
-    every pair on one rank takes the worst-case buffers."""
+    every pair on one rank takes the worst-case buffers; the usual branch alone
+    (``"ragged-usual"``) on the routing that fits."""
     res = _run()
     assert res["hlo_ragged_has_ragged"], "impl='ragged' did not lower to ragged_all_to_all"
     assert res["ragged_fits_cap"] == [True, False], res["ragged_fits_cap"]
     assert res["ragged_emulated_err"] <= 1e-5, res["ragged_emulated_err"]
+    # ``"ragged-usual"`` (k3serve compile's decode figures): the capped branch without the cond
+    assert res["hlo_ragged_has_cond"] and not res["ragged_usual_has_cond"]
+    assert res["ragged_usual_err"] <= 1e-5, res["ragged_usual_err"]
 
 
 def test_latent_split_input_and_post_function():

@@ -13,8 +13,8 @@ server's export cuts (prefill) and import loads (decode).
 
 Per-step costs: XLA:TPU's cost analysis counts a loop body once, and the step scans its
 layers, so :func:`decode_costs` compiles the decode step of one-layer (and one two-layer)
-models of each layer kind, layers unrolled, and sums the per-layer differences times each
-kind's layer count.
+models of each layer kind, layers unrolled (16-bit stacks, see there), and sums the
+per-layer differences times each kind's layer count.
 """
 from __future__ import annotations
 
@@ -214,18 +214,33 @@ def decode_costs(build, cfg, T: int, context=contextlib.nullcontext, log=None) -
     unrolled for an anchor model (one layer of each attention type: a recipe's DCP needs an
     MLA layer) and for the anchor plus one layer of each kind; the differences are the
     per-layer costs, the anchor less its layers the rest of the step.
+
+    ``build`` should give engines with 16-bit layer stacks (not packed, ``model.packed_rows``):
+    straight-line layers read those once, in the matmuls' tiling (no re-tiling outside a loop),
+    which is what the scan does with packed stacks (each layer's slice unpacked in VMEM);
+    straight-line layers on packed stacks unpack them into HBM instead (docs/compile.md).
+
+    A ragged EP exchange is compiled as its usual branch (``sharding.ep``'s ``"ragged-usual"``:
+    receive buffers of twice the balanced load), what every step whose routing fits them runs:
+    XLA's cost analysis counts a ``cond`` at its larger branch, the worst-case buffers a step
+    takes only when some rank would receive more (``"ep_exchange"`` in the result says so).
     ``{"flops", "bytes_accessed", "collectives", "per_layer": {kind: {...}}, "base": {...},
     "programs": [Built]}`` (None figures where a program failed)."""
     from ...sharding import tpu_aot
+    from ...sharding.ep import resolve_impl
 
     kinds = layer_kinds(cfg)
     anchor = [max((k for k in kinds if k[0] == a), key=kinds.get) for a in dict.fromkeys(cfg.layer_types)]
     variants = [("anchor", anchor)] + [(_label(k), anchor + [k]) for k in kinds]
     figures, programs = {}, []
     keys = ("flops", "bytes_accessed", "collectives")
+    usual = False
     for label, layers in variants:
         eng = build(kinds_config(cfg, layers))
         eng.runner.unroll_layers = True
+        par = eng.par
+        if par is not None and par.ep_impl is not None and resolve_impl(par.ep_impl, par.mesh) == "ragged":
+            par.ep_impl = usual = "ragged-usual"  # the exchange a step whose routing fits runs (docstring)
         run = eng.runner
         built, _ = _attempt(f"decode_layers[{' '.join(_label(k) for k in layers)}]",
                             lambda: run._jit(T).lower(eng.model.params, eng.cache_mgr.device_cache,
@@ -243,4 +258,4 @@ def decode_costs(build, cfg, T: int, context=contextlib.nullcontext, log=None) -
     base = {f: figures["anchor"][f] - sum(per_layer[k][f] for k in anchor) for f in keys}
     total = {f: base[f] + sum(kinds[k] * per_layer[k][f] for k in kinds) for f in keys}
     return {**total, "base": base, "per_layer": {_label(k): {"layers": kinds[k], **per_layer[k]} for k in kinds},
-            "programs": programs}
+            "ep_exchange": "usual branch" if usual else None, "programs": programs}
