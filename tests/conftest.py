@@ -105,7 +105,7 @@ _FILE_SECONDS = {
     "test_pd_server": 24, "test_kda_decode_kernel": 23, "test_kernels": 22, "test_grpc_server": 21,
     "test_ep_dispatch": 20, "test_kda_pools": 20, "test_roofline": 18, "test_tpu_aot_mla": 17,
     "test_flat_step": 17, "test_pd_engine": 55, "test_pd_multiprocess": 35, "test_pd_multihost": 130, "test_gmm_mxfp4": 14, "test_mla_ragged": 13,
-    "test_structured": 60, "test_structured_smg": 35, "test_parallel_sampling": 30, "test_packed_rows": 170,
+    "test_structured": 60, "test_structured_smg": 35, "test_parallel_sampling": 30, "test_packed_rows": 90,
 }
 
 
