@@ -72,16 +72,18 @@ def _scanned(path: str) -> bool:
     return path.startswith(("attn.", "ffn.")) and ".experts." not in path
 
 
-def packed_paths(params) -> list[str]:
-    """The parameters of an NNX state :func:`pack_layer_stacks` packs (by path)."""
+def _flat(params):
+    """``(path, variable, packs)`` per leaf of an NNX state: ``packs`` says whether
+    :func:`pack_layer_stacks` packs it."""
     from flax import nnx
 
-    out = []
     for p, v in nnx.to_flat_state(params):
-        name = ".".join(map(str, p))
-        if _scanned(name) and packable(v.get_value()):
-            out.append(name)
-    return out
+        yield p, v, _scanned(".".join(map(str, p))) and packable(v.get_value())
+
+
+def packed_paths(params) -> list[str]:
+    """The parameters of an NNX state :func:`pack_layer_stacks` packs (by path)."""
+    return [".".join(map(str, p)) for p, _, packs in _flat(params) if packs]
 
 
 def _pack_leaf(a):
@@ -100,14 +102,8 @@ def pack_layer_stacks(params):
     stacks packed already are kept. Placed arrays are packed on their devices."""
     from flax import nnx
 
-    flat = []
-    for p, v in nnx.to_flat_state(params):
-        name = ".".join(map(str, p))
-        val = v.get_value()
-        if _scanned(name) and packable(val):
-            v = v.replace(_pack_leaf(val))
-        flat.append((p, v))
-    return nnx.from_flat_state(flat)
+    return nnx.from_flat_state([(p, v.replace(_pack_leaf(v.get_value())) if packs else v)
+                                for p, v, packs in _flat(params)])
 
 
 def adopt_packed(params, before, after):

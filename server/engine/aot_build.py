@@ -240,7 +240,7 @@ def decode_costs(build, cfg, T: int, context=contextlib.nullcontext, log=None) -
         eng.runner.unroll_layers = True
         par = eng.par
         if par is not None and par.ep_impl is not None and resolve_impl(par.ep_impl, par.mesh) == "ragged":
-            par.ep_impl = usual = "ragged-usual"  # the exchange a step whose routing fits runs (docstring)
+            par.ep_impl, usual = "ragged-usual", True  # the exchange a step whose routing fits runs (docstring)
         run = eng.runner
         built, _ = _attempt(f"decode_layers[{' '.join(_label(k) for k in layers)}]",
                             lambda: run._jit(T).lower(eng.model.params, eng.cache_mgr.device_cache,
