@@ -94,8 +94,11 @@ The conv pool on TPU: XLA's default layout of ``f32[L, S, W-1, 3P]`` does not ke
 rows (3) second-minor (it picks ``{1, 2, 0, 3}``, S outermost, to avoid padding 3 to 8), Mosaic
 wants row-major tiles, so XLA copies the whole pool in and out around the kernel (~57 MiB per
 layer of 129 slots at 96 heads; on every call). ``[L, S, (W-1)*3H, d]`` is the same bytes with a
-second-minor dim that needs no padding: its default layout is row-major and the compiled
-program has no copy of either pool.
+second-minor dim that needs no padding when ``(W-1)*3H`` is a multiple of 8 (H = 96: 864 rows):
+its default layout is row-major and the compiled program has no copy of either pool. The
+engine's pool is stored so (``model.cache.conv_pool_rows``; under a recipe each rank's block
+of rows is this layout for its heads: at 3 heads, 27 rows, XLA still prefers a slot-minor
+layout and relays the pool out, docs/compile.md).
 
 Speculative decoding: decode rows that carry drafts run this kernel's record mode,
 ``kernels/kda_spec_kernel.py`` (a separate ``pallas_call`` with the same pools, DMA scheme and

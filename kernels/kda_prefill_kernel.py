@@ -497,10 +497,11 @@ def kda_prefill(q, k, v, g, beta, state_pool, layer, tok_row, cu_q_lens, q_lens,
         input_output_aliases={n + 6: 0, n + 5: 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=vmem_limit_bytes),
-        # each prefill row's state read and written, each snapshot written; per token q, k, v,
-        # g, beta in and o out
+        # each prefill row's state read and written (at most T // 2 rows hold two tokens or
+        # more; the others are not touched, so a decode step's rows count once, in the decode
+        # kernel), each snapshot written; per token q, k, v, g, beta in and o out
         cost_estimate=cost_estimates.kda_state_rows(
-            R, H, dk, dv, state_pool.dtype.itemsize, T,
+            min(R, T // 2), H, dk, dv, state_pool.dtype.itemsize, T,
             H * ((2 * dk + dk) * q.dtype.itemsize + dv * v.dtype.itemsize + 4 + dv * 4),
             extra_bytes=NS * H * dk * dv * state_pool.dtype.itemsize),
         interpret=interpret,

@@ -2,9 +2,12 @@
 
 Layouts (allocated here; the engine's ``CacheManager`` holds the live arrays as ``device_cache``):
   kda_state [nK, slots, H, dk, dv] float32   recurrent state per KDA layer and slot, S[k, v]
-  kda_conv  [nK, slots, W-1, 3P]   float32   last W-1 raw q|k|v projections, oldest first;
-                                             channels q|k|v, or rank-major when the KDA heads
-                                             are split over G ranks (``conv_rank_major``)
+  kda_conv  [nK, slots, (W-1)*3H, dk] float32 last W-1 raw q|k|v projections, oldest first,
+                                             as rows of one head's ``dk`` values: row
+                                             ``(g, t, part, h)`` when the KDA heads are split
+                                             over G ranks (G = 1 when whole), so a rank's block
+                                             of rows is its heads' windows (``conv_pool_rows``;
+                                             the logical window is ``[W-1, 3P]``, ``q | k | v``)
   mla_kv    [nM, pages, page_size, Wp] (model dtype)   latent rows: kv_lora_rank + rope, zeros
                                                         up to Wp = cfg.mla_pool_width; nM counts
                                                         the target's MLA layers, then a draft
@@ -58,33 +61,45 @@ class StepBatch:
     page_table: jax.Array  # [B, max_pages] MLA pages of the row, in order
 
 
-def _swap_channel_blocks(x, outer: int, inner: int):
-    """The last axis read as ``[outer, inner, rest]`` blocks, rewritten ``[inner, outer, rest]``."""
-    v = x.reshape(x.shape[:-1] + (outer, inner, x.shape[-1] // (outer * inner)))
-    return jnp.swapaxes(v, -3, -2).reshape(x.shape)
+def conv_pool_rows(x, groups: int, head_dim: int):
+    """Logical conv windows ``[..., W-1, 3P]`` (channels ``q | k | v``, heads in order) as the
+    conv pool stores them, ``[..., groups * (W-1) * 3 * Hl, head_dim]`` with ``Hl`` heads a
+    rank: row ``(g, t, part, h)`` holds head ``g * Hl + h``'s ``head_dim`` values of window
+    position ``t`` of ``part`` (q, k, v). Rank ``g``'s block of rows is then the row layout
+    the KDA kernels read (``kernels/kda_decode_kernel.py``) for its heads, and the pool's
+    default TPU layout is row-major with no padding (a ``W-1``-long second-minor dim would be
+    padded to 8 sublanes, so XLA picked a slot-major layout and copied the whole pool in and
+    out around every kernel call)."""
+    *lead, W1, C = x.shape
+    Hl = C // (3 * groups * head_dim)
+    v = jnp.reshape(x, (*lead, W1, 3, groups, Hl, head_dim))
+    return jnp.reshape(jnp.moveaxis(v, -3, -5), (*lead, groups * W1 * 3 * Hl, head_dim))
 
 
-def conv_rank_major(x, groups: int):
-    """Conv-window channels (last axis, ``3P``) from the logical order ``q | k | v`` to the
-    rank-major order of a pool whose KDA heads are split over ``groups`` ranks: block ``j``
-    holds ``q_j | k_j | v_j`` (rank ``j``'s heads of each), so a rank's shard of the channel
-    axis is exactly what its KDA kernels read. ``groups == 1``: unchanged."""
-    return x if groups == 1 else _swap_channel_blocks(x, 3, groups)
+def conv_pool_logical(y, groups: int, window: int):
+    """The inverse of :func:`conv_pool_rows`: pool rows back to ``[..., window, 3P]``
+    (``window`` = W-1)."""
+    *lead, rows, d = y.shape
+    Hl = rows // (groups * window * 3)
+    v = jnp.reshape(y, (*lead, groups, window, 3, Hl, d))
+    return jnp.reshape(jnp.moveaxis(v, -5, -3), (*lead, window, 3 * groups * Hl * d))
 
 
-def conv_logical(x, groups: int):
-    """The inverse of :func:`conv_rank_major`: rank-major channels back to ``q | k | v``."""
-    return x if groups == 1 else _swap_channel_blocks(x, groups, 3)
+def conv_window_shape(pool_shape, kda_heads: int) -> tuple:
+    """``(nK, W-1, 3P)``: one slot's logical conv windows (what leaves the device: prefix
+    offload, P/D handoffs) of a conv pool of ``pool_shape`` ``[nK, slots, (W-1)*3H, dk]``."""
+    nK, _, rows, d = pool_shape
+    return (nK, rows // (3 * kda_heads), 3 * kda_heads * d)
 
 
 def conv_groups_of(conv_pool) -> int:
-    """How many channel blocks a placed conv pool's channel axis is split into (its layout
-    is rank-major over them: :func:`conv_rank_major`); 1 for a whole-channel pool."""
+    """How many rank blocks a placed conv pool's rows are split into (:func:`conv_pool_rows`);
+    1 for a pool whose rows are whole on every device."""
     sharding = getattr(conv_pool, "sharding", None)
     if sharding is None or not hasattr(sharding, "shard_shape"):
         return 1
-    C = conv_pool.shape[-1]
-    return C // sharding.shard_shape(conv_pool.shape)[-1]
+    rows = conv_pool.shape[-2]
+    return rows // sharding.shard_shape(conv_pool.shape)[-2]
 
 
 def cache_shapes(cfg, num_slots: int, num_pages: int, page_size: int, dtype) -> dict:
@@ -92,7 +107,7 @@ def cache_shapes(cfg, num_slots: int, num_pages: int, page_size: int, dtype) -> 
     H, dk = cfg.kda_num_heads, cfg.kda_head_dim
     return {
         "kda_state": ((nK, num_slots, H, dk, dk), jnp.float32),
-        "kda_conv": ((nK, num_slots, cfg.conv_kernel_size - 1, 3 * H * dk), jnp.float32),
+        "kda_conv": ((nK, num_slots, (cfg.conv_kernel_size - 1) * 3 * H, dk), jnp.float32),
         "mla_kv": ((nM, num_pages, page_size, cfg.mla_pool_width), jnp.dtype(dtype)),
     }
 

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from ..kernels import ops
-from .cache import Cache, StepBatch, conv_logical, conv_rank_major
+from .cache import Cache, StepBatch, conv_pool_logical, conv_pool_rows
 from .step import FlatBatch, flatten_padded, local_rows, unflatten
 from .kda import KDA
 from .layer_plan import part_of, plan_layers
@@ -316,11 +316,13 @@ class KimiLM(nnx.Module):
         # (``StepParallel.kda_layer_on_pools``)
         fused_kda = bool(kda_idx) and cfg.kernels != "reference" and ops.kda_kernels_fit(cfg.kda_head_dim, cfg.kernels)
         if kda_idx and not fused_kda:
-            # the conv pool's channels are stored rank-major when the heads are split over
-            # ranks (``StepParallel.conv_groups``); the reference core reads q | k | v
+            # the conv pool stores a window as rows of one head, rank-major when the heads are
+            # split over ranks (``model.cache.conv_pool_rows``, ``StepParallel.conv_groups``);
+            # the reference core reads [W-1, q | k | v]
             conv_groups = 1 if par is None else par.conv_groups(H_kda)
             conv_rows = jnp.where(fb.fresh[None, :, None, None], 0.0,
-                                  conv_logical(take(cache.kda_conv, fb.read_slot), conv_groups))
+                                  conv_pool_logical(take(cache.kda_conv, fb.read_slot), conv_groups,
+                                                    cfg.conv_kernel_size - 1))
             state_rows = jnp.where(fb.fresh[None, :, None, None, None], 0.0, take(cache.kda_state, fb.read_slot))
             if journal is not None:  # last step's accepted drafts, committed as plain decoding would
                 state_rows, conv_rows = fold_journal(state_rows, conv_rows, journal, fb.jrow, fb.fold_len, par)
@@ -531,7 +533,7 @@ class KimiLM(nnx.Module):
                 journal = tuple(carry[n] for n in JOURNAL_KEYS)
         elif kda_idx:
             conv_out, state_out, snap_conv, snap_state = (carry[n] for n in kda_keys[:4])
-            conv_out, snap_conv = (conv_rank_major(v, conv_groups) for v in (conv_out, snap_conv))
+            conv_out, snap_conv = (conv_pool_rows(v, conv_groups, cfg.kda_head_dim) for v in (conv_out, snap_conv))
             put = ((lambda pool, s, v: pool.at[:, s].set(v, mode="drop")) if par is None else
                    functools.partial(par.put_slots, kda_heads=H_kda))
             kda_conv = put(put(kda_conv, fb.write_slot, conv_out), fb.snap_slot, snap_conv)

@@ -13,7 +13,7 @@
   only the rows whose page is in its block and attends over its own columns of the page
   table (pages ``(r - o) mod dcp``, then every ``dcp``-th), returning
   partial output and log-sum-exp per head; the partials are merged exactly over the DCP
-  ranks (``pmax`` of the LSE, then ``psum`` of the rescaled outputs and weights). Query heads
+  ranks (the LSEs all-gathered, then one ``psum`` of the reweighted outputs). Query heads
   are split over the attention axes DCP does not use (all heads on every rank at full DCP:
   the all-gather of the query); tokens and rows are split over ``"dp"`` (each DP group's
   block of the flattened step only sees its own pages and slots);
@@ -50,6 +50,27 @@ from .mesh import ATTN, dcp_axes, sp_axes
 from .recipe import Recipe
 
 
+def merge_dcp_partials(out, lse, dcp_ax):
+    """The exact merge of the DCP ranks' attention partials (inside a ``shard_map``): each rank's
+    ``out [T, H, L]`` (normalised over its own keys) and ``lse [T, H]`` (``-inf`` where it saw
+    no key). The small LSEs are all-gathered, so every rank knows each rank's weight
+    ``exp(lse_r - M) / sum_r exp(lse_r - M)``; one ``psum`` of the weighted outputs is the
+    result. Returns ``(out, lse)`` merged (``lse`` ``-inf`` where no rank saw a key).
+
+    Why this form (``k3serve compile``, a decode step of the full K3 under ``v7-32-decode``):
+    the earlier merge summed the numerator with the weight as a 513th column (one
+    ``[T, H, 513]`` collective, padded to 640 lanes on TPU) and divided after it: a concat, a
+    slice and a divide pass over the whole ``[T, H, L]`` float32 array per MLA layer."""
+    every = jax.lax.all_gather(lse, dcp_ax)  # [dcp, T, H]
+    M = jnp.max(every, axis=0)
+    M = jnp.where(jnp.isfinite(M), M, 0.0)
+    den = jnp.sum(jnp.exp(every - M), axis=0)
+    seen = den > 0
+    scale = jnp.where(seen, jnp.exp(lse - M) / jnp.where(seen, den, 1.0), 0.0)
+    out = jax.lax.psum(out * scale[..., None].astype(out.dtype), dcp_ax)
+    return out, jnp.where(seen, M + jnp.log(jnp.where(seen, den, 1.0)), -jnp.inf)
+
+
 def _flat_index(axes: tuple[str, ...], sizes: dict) -> jax.Array:
     """This rank's linear index over ``axes`` (row-major, as shard_map lays out blocks)."""
     idx = jnp.int32(0)
@@ -84,27 +105,27 @@ class StepParallel:
         """The layout of a KDA pool ``[n, slots, ...]`` (or of rows taken from it): slots
         over ``"dp"``; with the heads split over the attention group ``ATTN`` (when they
         divide it, :meth:`conv_groups`) also the state's heads ``[n, slots, H, dk, dv]`` and
-        the conv window's channels ``[n, slots, W-1, 3P]``, stored rank-major
-        (``model.cache.conv_rank_major``: each rank's block is its heads' ``q | k | v``) --
+        the conv window's rows ``[n, slots, (W-1)*3H, dk]``, stored rank-major
+        (``model.cache.conv_pool_rows``: each rank's block is its heads' windows) --
         the one rule of :meth:`cache_specs`, :meth:`take_slots` and :meth:`put_slots`, so the
         step returns the cache in the layout it was given. A conv pool needs ``kda_heads``."""
-        if pool.ndim != 5:  # kda_conv [n, slots, W-1, 3P]
+        if pool.ndim != 5:  # kda_conv [n, slots, (W-1)*3H, dk]
             if kda_heads is None:
                 raise ValueError("the conv pool's layout depends on the KDA head count: pass kda_heads")
-            return P(None, self.rows_axis, *([None] * (pool.ndim - 3)), self._state_heads(kda_heads))
+            return P(None, self.rows_axis, self._state_heads(kda_heads), None)
         return P(None, self.rows_axis, self._state_heads(pool.shape[2]), None, None)
 
     def _state_heads(self, kda_heads: int):
         return ATTN if kda_heads % self.recipe.attn_group == 0 else None
 
     def conv_groups(self, kda_heads: int) -> int:
-        """The rank blocks of the conv pool's channels (rank-major order), 1 when whole."""
+        """The rank blocks of the conv pool's rows (``model.cache.conv_pool_rows``), 1 when whole."""
         return self.recipe.attn_group if self._state_heads(kda_heads) is not None else 1
 
     def cache_specs(self, kda_heads: int) -> dict:
         h = self._state_heads(kda_heads)
         return {"kda_state": P(None, self.rows_axis, h, None, None),
-                "kda_conv": P(None, self.rows_axis, None, h),
+                "kda_conv": P(None, self.rows_axis, h, None),
                 "mla_kv": P(None, self._ax(self.page_axes), None, None)}
 
     def journal_shardings(self, kda_heads: int) -> tuple:
@@ -180,12 +201,7 @@ class StepParallel:
             out, lse = mla_ragged_attention(q_lat, q_rope, pool, cols, tok_row, pos, kv_lens, cu, q_lens, scale,
                                             latent_dim, layer=layer, page_ordinals=ords, return_lse=True)
             if dcp > 1:  # exact merge of the ranks' partials
-                M = jax.lax.pmax(lse, dcp_ax)
-                M = jnp.where(jnp.isfinite(M), M, 0.0)
-                w = jnp.exp(lse - M)
-                num = jax.lax.psum(out * w[..., None], dcp_ax)
-                den = jax.lax.psum(w, dcp_ax)
-                out = num / jnp.where(den > 0, den, 1.0)[..., None]
+                out, _ = merge_dcp_partials(out, lse, dcp_ax)
             return out
 
         fn = jax.shard_map(local, mesh=self.mesh,
@@ -264,16 +280,8 @@ class StepParallel:
             cols, ords = self._dcp_columns(table, local_table, ppr)
             out, lse, pool = call(q_lat, q_rope, None, pool, layer, cols, tok_row, pos, kv_lens, cu, q_lens,
                                   page_ordinals=ords, return_lse=True)
-            M = jax.lax.pmax(lse, dcp_ax)
-            M = jnp.where(jnp.isfinite(M), M, 0.0)
-            w = jnp.exp(lse - M)
-            # numerator and denominator summed in one collective (the weight rides as a column)
-            nd = jax.lax.psum(jnp.concatenate([out * w[..., None], w[..., None]], axis=-1), dcp_ax)
-            num, den = nd[..., :-1], nd[..., -1]
-            out = num / jnp.where(den > 0, den, 1.0)[..., None]
-            if not return_lse:
-                return out, pool
-            return out, jnp.where(den > 0, M + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf), pool
+            out, lse = merge_dcp_partials(out, lse, dcp_ax)
+            return (out, lse, pool) if return_lse else (out, pool)
 
         out_specs = (q_spec, P(*q_spec[:2]), pool_spec) if return_lse else (q_spec, pool_spec)
         fn = jax.shard_map(local, mesh=self.mesh,
@@ -298,10 +306,10 @@ class StepParallel:
         """``ops.kda_layer_on_pools`` (the KDA kernels on the pools in place) per rank: each DP
         group on its own slots (slot ids made local to the group's block; others' dropped), each
         rank of the group on its heads of the state pool (``_slot_spec``: heads over ``ATTN``)
-        and its block of the conv pool's channels (stored rank-major: the block is the rank's
-        heads' ``q | k | v``, exactly what the kernels read). ``qkv_raw``: [T, 3, P] (``KDA.project``).
-        Returns ``(o [T, H, d], state_pool, conv_pool)`` in the pools'
-        layouts.
+        and its block of the conv pool's rows (stored rank-major: the block is the rank's
+        heads' windows in the kernels' row layout, ``model.cache.conv_pool_rows``).
+        ``qkv_raw``: [T, 3, P] (``KDA.project``). Returns ``(o [T, H, d], state_pool,
+        conv_pool)`` in the pools' layouts.
 
         ``journal`` (speculative decoding; ``fb`` carries ``decode``, ``jrow``, ``fold_len``):
         each rank runs the record-mode kernel on its block of the journal (:meth:`journal_shardings`:
@@ -318,7 +326,7 @@ class StepParallel:
         h = ATTN if split else None
         ax = self.rows_axis
         st_spec = self._slot_spec(state_pool)
-        cv_spec = P(None, ax, None, h)
+        cv_spec = P(None, ax, h, None)  # rows (g, t, part, h): a rank's block is its heads' windows
         d = P(ax)
         in_specs = (P(ax, None, h), P(ax, h), P(ax, h), P(ax, h), P(None, h, None), P(h), P(h), P(), st_spec, cv_spec,
                     P(), d, d, d, d, d, d, d, d, d, d)

@@ -19,7 +19,7 @@ over the whole mesh, ``B / dp`` per attention DP group), per device and per step
   ``tp`` slices each, and the outputs back; the share leaving the device); the two
   tensor-parallel all-reduces per layer (attention output, FFN output) of the group's tokens,
   as a ring (``2 (G − 1) / G`` of the bytes); the DCP merge of partial attention outputs
-  (fp32 outputs and log-sum-exp, ``dcp − 1`` of ``dcp`` parts).
+  (fp32 outputs, ``dcp − 1`` of ``dcp`` parts, and the other ranks' log-sum-exps).
 * **FLOPs**: 2 per weight and token for the shard of the matmuls the device runs, the
   ``k`` routed experts per token (dequantized MXFP4 counted as dense), the MLA attention over
   the context (absorbed: scores and values in the latent space), the KDA state update.
@@ -228,8 +228,10 @@ def step_cost(cfg, recipe: Recipe, inventory, *, context_len: int, concurrency: 
     # the same bytes
     ici["TP all-reduces"] = 2 * n_layers * ring * Tg * D * act_itemsize
     if recipe.dcp > 1:
-        ici["DCP merge"] = n_mla * (recipe.dcp - 1) / recipe.dcp * Tg * (Hm * recipe.dcp / G) * \
-            (cfg.kv_lora_rank + 1) * 4
+        # the fp32 partial outputs reduced (``dcp - 1`` of ``dcp`` parts), the other ranks'
+        # LSEs gathered (``parallel.merge_dcp_partials``)
+        ici["DCP merge"] = n_mla * Tg * (Hm * recipe.dcp / G) * 4 * \
+            ((recipe.dcp - 1) / recipe.dcp * cfg.kv_lora_rank + (recipe.dcp - 1))
     if draft is not None:
         hbm["draft weights"] = 2 * draft.params / n
         hbm["draft KV"] = (B / dp) * context_len * draft.kv_bytes_per_token / recipe.dcp

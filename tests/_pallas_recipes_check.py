@@ -164,7 +164,7 @@ def kda_pools_error(recipe: str) -> float:
     import jax.numpy as jnp
 
     from k3serve.kernels import ops
-    from k3serve.model.cache import conv_logical, conv_rank_major
+    from k3serve.model.cache import conv_pool_logical, conv_pool_rows
 
     H, d, W, L = 8, 16, 4, 2
     P = H * d
@@ -220,14 +220,23 @@ def kda_pools_error(recipe: str) -> float:
         return par.kda_layer_on_pools(x["qkv"].reshape(T, 3, P), x["f"], x["beta"], x["gate"], cw, A_log, dt_bias, o_norm,
                                       st, cv, layer, fb, jnp.asarray(q_lens), **kw)
 
-    G = par.conv_groups(H)  # the pool stored rank-major over the heads' ranks
+    G = par.conv_groups(H)  # the pool's rows stored rank-major over the heads' ranks
     assert G == r.attn_group > 1, (G, r.attn_group)
-    cv_in = jax.device_put(np.asarray(conv_rank_major(jnp.asarray(conv), G)), sh["kda_conv"])
-    assert cv_in.sharding.shard_shape(cv_in.shape)[-1] == 3 * P // G  # each device: its heads' channels only
+    cv_in = jax.device_put(np.asarray(conv_pool_rows(jnp.asarray(conv), G, d)), sh["kda_conv"])
+    assert cv_in.sharding.shard_shape(cv_in.shape)[-2] == (W - 1) * 3 * H // G  # each device: its heads' rows only
     o, st2, cv2 = jax.jit(g)(jax.device_put(state, sh["kda_state"]), cv_in)
-    cv2 = conv_logical(cv2, G)
+    cv2 = conv_pool_logical(cv2, G, W - 1)
     rel = lambda a, b: float(np.abs(np.asarray(a) - b).max() / np.abs(b).max())  # noqa: E731
     return max(rel(o, want_o), rel(st2, want_st), rel(cv2, want_cv))
+
+
+def _channels_rank_major(x, groups: int, back: bool = False):
+    """The journal's pre-conv rows ``[..., 3P]`` as a rank keeps them when the KDA heads are split
+    over ``groups`` ranks: block j of the channels is q_j | k_j | v_j (its heads' of each);
+    ``back``: the inverse, to q | k | v."""
+    outer, inner = (groups, 3) if back else (3, groups)
+    v = np.reshape(x, x.shape[:-1] + (outer, inner, x.shape[-1] // (outer * inner)))
+    return np.swapaxes(v, -3, -2).reshape(x.shape)
 
 
 def kda_spec_pools_error(recipe: str) -> float:
@@ -243,7 +252,7 @@ def kda_spec_pools_error(recipe: str) -> float:
     import jax.numpy as jnp
 
     from k3serve.kernels import ops
-    from k3serve.model.cache import conv_logical, conv_rank_major
+    from k3serve.model.cache import conv_pool_logical, conv_pool_rows
 
     H, d, W, L, D = 8, 16, 4, 2, 3
     P = H * d
@@ -307,15 +316,15 @@ def kda_spec_pools_error(recipe: str) -> float:
                                decode=decode, jrow=jrow, fold_len=fold)
     jsh = par.journal_shardings(H)
     j_in = tuple(jax.device_put(a, s) for a, s in zip(
-        (jk, jeg, jdelta, np.asarray(conv_rank_major(jnp.asarray(jraw), G))), jsh))
+        (jk, jeg, jdelta, _channels_rank_major(jraw, G)), jsh))
 
     def g(st, cv, jl):
         return par.kda_layer_on_pools(x["qkv"].reshape(T, 3, P), x["f"], x["beta"], x["gate"], cw, A_log, dt_bias,
                                       o_norm, st, cv, layer, fb, jnp.asarray(q_lens), journal=jl, **kw)
 
-    cv_in = jax.device_put(np.asarray(conv_rank_major(jnp.asarray(conv), G)), sh["kda_conv"])
+    cv_in = jax.device_put(np.asarray(conv_pool_rows(jnp.asarray(conv), G, d)), sh["kda_conv"])
     o, st2, cv2, jl2 = jax.jit(g)(jax.device_put(state, sh["kda_state"]), cv_in, j_in)
-    got = [o, st2, conv_logical(cv2, G), *jl2[:3], conv_logical(jl2[3], G)]
+    got = [o, st2, conv_pool_logical(cv2, G, W - 1), *jl2[:3], _channels_rank_major(np.asarray(jl2[3]), G, back=True)]
     rel = lambda a, b: float(np.abs(np.asarray(a) - b).max() / np.abs(b).max())  # noqa: E731
     assert not np.allclose(want[3], jk)  # the journal was written
     return max(rel(a, b) for a, b in zip(got, want))

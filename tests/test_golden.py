@@ -76,6 +76,14 @@ def test_greedy_and_decode_logits(case):
         assert rel_err(dec, g[f"full_logits_{i}"][T:]) < LOGIT_REL
 
 
+def _conv_window(cache, cfg):
+    """Slot 0's conv windows ``[nK, W-1, 3P]`` (the pool stores them as rows of one head:
+    ``model.cache.conv_pool_rows``)."""
+    from k3serve.model.cache import conv_pool_logical
+
+    return np.asarray(conv_pool_logical(cache.kda_conv[:, 0], 1, cfg.conv_kernel_size - 1))
+
+
 @pytest.mark.parametrize("case", K3_CASES)
 def test_per_layer_intermediates(case):
     m, g = load_case(case), golden(case)
@@ -101,7 +109,7 @@ def test_per_layer_intermediates(case):
     close(np.asarray(cache.kda_state[:, 0]), g["s0_kda_state"])
     # our conv window keeps the W-1 newest raw inputs [W-1, 3P]; the golden keeps W as [P, W]
     P = cfg.kda_proj_size
-    conv = np.asarray(cache.kda_conv[:, 0])
+    conv = _conv_window(cache, cfg)
     for part, sl in (("q", slice(0, P)), ("k", slice(P, 2 * P)), ("v", slice(2 * P, 3 * P))):
         close(np.swapaxes(conv[:, :, sl], 1, 2), g[f"s0_kda_conv_{part}"][:, :, 1:])
     # MLA latent rows, read back from the page pool (pages 0.. hold positions in order)
@@ -131,6 +139,6 @@ def test_state_after_decode(case):
         logits, cache = m.step(cache, make_batch([[tok]], [T + j], [1], [0], table))
     close(np.asarray(cache.kda_state[:, 0]), g["s0_kda_state_after_decode"])
     P = cfg.kda_proj_size
-    conv = np.asarray(cache.kda_conv[:, 0])
+    conv = _conv_window(cache, cfg)
     close(np.swapaxes(conv[:, :, P:2 * P], 1, 2), g["s0_kda_conv_k_after_decode"][:, :, 1:])
     close(np.swapaxes(conv[:, :, 2 * P:], 1, 2), g["s0_kda_conv_v_after_decode"][:, :, 1:])

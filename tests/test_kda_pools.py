@@ -136,20 +136,24 @@ def test_row_layout_conv_pool_gives_the_same_result():
     np.testing.assert_array_equal(cv2.reshape(cv.shape), cv)
 
 
-def test_conv_rank_major_blocks_hold_each_ranks_heads():
-    """Under a recipe that splits the KDA heads over G ranks the conv pool is stored rank-major:
-    block j of the channels is q_j | k_j | v_j (rank j's heads of each), the inverse restores
-    q | k | v, and G = 1 is the identity."""
-    from k3serve.model.cache import conv_groups_of, conv_logical, conv_rank_major
+def test_conv_pool_rows_blocks_hold_each_ranks_heads():
+    """The engine's conv pool stores each window as rows of one head (``model.cache``):
+    row ``(g, t, part, h)`` is head ``g * Hl + h``'s ``d`` values of window position ``t`` of
+    q, k or v, so with the KDA heads split over G ranks rank j's block of rows is exactly the
+    kernels' row layout for its heads; the inverse restores ``[W-1, q | k | v]``, and with
+    G = 1 the rows are the logical window's elements in order."""
+    from k3serve.model.cache import conv_groups_of, conv_pool_logical, conv_pool_rows
 
-    G, Pw = 4, 16
-    x = jnp.arange(2 * 3 * 3 * Pw, dtype=jnp.float32).reshape(2, 3, 3 * Pw)  # [slots, W-1, q|k|v]
-    y = conv_rank_major(x, G)
-    q, k, v = (x[..., i * Pw:(i + 1) * Pw] for i in range(3))
-    b = Pw // G
+    G, H, d, W1 = 4, 8, 2, 3
+    Pw, Hl = H * d, H // G
+    x = jnp.arange(2 * W1 * 3 * Pw, dtype=jnp.float32).reshape(2, W1, 3 * Pw)  # [slots, W-1, q|k|v]
+    y = conv_pool_rows(x, G, d)
+    assert y.shape == (2, W1 * 3 * H, d)
     for j in range(G):
-        want = jnp.concatenate([q[..., j * b:(j + 1) * b], k[..., j * b:(j + 1) * b], v[..., j * b:(j + 1) * b]], -1)
-        np.testing.assert_array_equal(y[..., j * 3 * b:(j + 1) * 3 * b], want)
-    np.testing.assert_array_equal(conv_logical(y, G), x)
-    assert conv_rank_major(x, 1) is x and conv_logical(x, 1) is x
-    assert conv_groups_of(jax.device_put(x)) == 1 and conv_groups_of(np.asarray(x)) == 1
+        block = y[:, j * W1 * 3 * Hl:(j + 1) * W1 * 3 * Hl].reshape(2, W1, 3, Hl, d)
+        for part in range(3):
+            heads = x[..., part * Pw:(part + 1) * Pw].reshape(2, W1, H, d)[:, :, j * Hl:(j + 1) * Hl]
+            np.testing.assert_array_equal(block[:, :, part], heads)
+    np.testing.assert_array_equal(conv_pool_logical(y, G, W1), x)
+    np.testing.assert_array_equal(conv_pool_rows(x, 1, d), x.reshape(y.shape))
+    assert conv_groups_of(jax.device_put(y)) == 1 and conv_groups_of(np.asarray(y)) == 1

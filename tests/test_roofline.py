@@ -70,11 +70,12 @@ def test_ici_and_collectives_counted_by_hand_on_two_devices(setup):
     assert c.ici_bytes["TP all-reduces"] == 2 * 5 * 1 * 96 * 2
     # dispatch + combine: half a token per device, top-2, [32] bf16 latent, half of it remote, 4 MoE layers
     assert c.ici_bytes["EP dispatch + combine"] == 2 * 0.5 * 2 * 32 * 2 * 0.5 * 4
-    # DCP merge: 1 MLA layer, half of the partial outputs (8 heads, kv_lora 16 + lse) in fp32
-    assert c.ici_bytes["DCP merge"] == 0.5 * 1 * 8 * 17 * 4
+    # DCP merge: 1 MLA layer, half of the partial outputs (8 heads, kv_lora 16) in fp32 and
+    # the other rank's LSE (8 heads)
+    assert c.ici_bytes["DCP merge"] == 0.5 * 1 * 8 * 16 * 4 + 1 * 8 * 4
     # the step's collectives (roofline.step_collectives): 2 TP reductions per layer; per MoE
     # layer the latent input's gather over "ep", the sizes, dispatch, combine and output gather
-    # (tp = 1: no gather of h); per MLA layer the query's two gathers, the LSE max and the sum;
+    # (tp = 1: no gather of h); per MLA layer the query's two gathers, the LSE gather and the sum;
     # the LM head's gather
     assert c.collective_parts == {"TP reductions": 2 * 5, "EP exchange": 5 * 4, "DCP (MLA)": 4 * 1, "LM head": 1}
     assert c.collectives == 35

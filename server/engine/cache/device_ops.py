@@ -3,10 +3,10 @@ copy pages (copy-on-write of a shared tail page), copy slots (snapshot <-> reque
 load a host-tier prefix into pages and a slot, read one out for offload. ``CacheManager``
 jits each once (index arrays padded to a power of two, so few shapes compile).
 
-What leaves the device (``read``) and comes back (``load``) has the conv window's channels in
-the logical ``q | k | v`` order, whatever the pool's (rank-major over ``conv_groups`` ranks
-when the KDA heads are split: ``model.cache.conv_rank_major``), so host-tier entries and P/D
-handoffs do not depend on the recipe.
+What leaves the device (``read``) and comes back (``load``) is the conv window in its logical
+form ``[nK, W-1, 3P]`` (channels ``q | k | v``), whatever the pool's rows (rank-major over
+``conv_groups`` ranks when the KDA heads are split: ``model.cache.conv_pool_rows``), so
+host-tier entries and P/D handoffs do not depend on the recipe.
 
 Pages and slots are read and written per device when a pool's rows are split over devices
 (the MLA pool's pages over DCP and attention DP, the KDA pools' slots over attention DP):
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ....model.cache import conv_logical, conv_rank_major
+from ....model.cache import conv_pool_logical, conv_pool_rows
 
 
 def split_of(pool):
@@ -122,13 +122,19 @@ def _load_prefix(cache, idx, pos0, rows, tokens, slot, state, conv, *, conv_grou
     return dataclasses.replace(
         cache, mla_kv=_write_rows(cache.mla_kv, idx, rows, kv_split, keep),
         kda_state=_write_rows(cache.kda_state, at, state[:, None], st_split),
-        kda_conv=_write_rows(cache.kda_conv, at, conv_rank_major(conv, conv_groups)[:, None], cv_split))
+        kda_conv=_write_rows(cache.kda_conv, at, conv_pool_rows(conv, conv_groups, cache.kda_conv.shape[-1])[:, None],
+                             cv_split))
+
+
+def _conv_window(cache) -> int:
+    """W-1: the conv pool holds ``(W-1) * 3 * H`` rows a slot, H the state pool's heads."""
+    return cache.kda_conv.shape[2] // (3 * cache.kda_state.shape[2])
 
 
 def _read_prefix(cache, slot, idx, *, conv_groups: int = 1, kv_split=None, st_split=None, cv_split=None):
     at = jnp.reshape(slot, (1,))
     return (_read_rows(cache.kda_state, at, st_split)[:, 0],
-            conv_logical(_read_rows(cache.kda_conv, at, cv_split)[:, 0], conv_groups),
+            conv_pool_logical(_read_rows(cache.kda_conv, at, cv_split)[:, 0], conv_groups, _conv_window(cache)),
             _read_rows(cache.mla_kv, idx, kv_split))
 
 

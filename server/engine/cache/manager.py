@@ -14,7 +14,7 @@ length serving can give them (:meth:`CacheManager.warm_programs`).
 
 Device layout (allocated by ``allocate_cache`` with the plan's sizes):
   kda_state [nK, num_slots, H, dk, dv]      float32, slot 0 = scratch (padding rows)
-  kda_conv  [nK, num_slots, W-1, 3*H*dk]    float32
+  kda_conv  [nK, num_slots, (W-1)*3*H, dk]  float32 (``model.cache.conv_pool_rows``)
   mla_kv    [nM, num_pages, page_size, kv_lora_rank + qk_rope_head_dim]   model dtype
 
 The device cache is *committed* to its devices from the start (:func:`committed`), so every
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ....intmath import cdiv, next_pow2, pad_pow2
-from ....model.cache import allocate_cache, cache_bytes, conv_groups_of
+from ....model.cache import allocate_cache, cache_bytes, conv_groups_of, conv_window_shape
 
 from ..programs import Programs, sparse_widths, width_for
 from .device_ops import PROGRAMS, splits_of
@@ -316,7 +316,7 @@ class CacheManager:
         cache = self.device_cache
         st, cv, kv = cache.kda_state, cache.kda_conv, cache.mla_kv
         pb = dest.pages_per_block
-        shapes = ((st.shape[0],) + st.shape[2:], (cv.shape[0],) + cv.shape[2:],
+        shapes = ((st.shape[0],) + st.shape[2:], conv_window_shape(cv.shape, st.shape[2]),
                   (kv.shape[0], self.dp * self.dcp * pb) + kv.shape[2:])
         # the conv window comes whole (q|k|v order) to every device; the load deals its channels
         shardings = (without_slot_axis(st.sharding, st.ndim), replicated(cv.sharding), kv.sharding)

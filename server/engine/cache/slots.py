@@ -3,7 +3,7 @@ prefix-snapshot slots.
 
 Layout this pool indexes (``k3serve.model.cache``), both float32 whatever the model dtype:
   kda_state [nK, num_slots, H, dk, dv]     recurrent state S[k, v] per KDA layer
-  kda_conv  [nK, num_slots, W-1, 3*H*dk]   short-conv window, oldest first
+  kda_conv  [nK, num_slots, (W-1)*3*H, dk] short-conv window, oldest first (``conv_pool_rows``)
 A slot id is the same index in every KDA layer.
 
 The ids are cut into ``groups`` equal ranges, one per attention-DP group (the slot dim is
