@@ -1,10 +1,10 @@
 """Child-process body for ``test_spec_engine.py`` (4 virtual CPU devices): greedy decoding with
 speculation under a recipe against the same recipe without it, an oracle drafter injecting
 wrong tokens (that a recipe equals one device is ``test_sharding.py``'s business). Prints one
-JSON line: per recipe, tokens equal, drafts verified and accepted. With ``"dspark": true`` also
-DSpark under each recipe (its context rows in the recipe's pages, proposed per rank): its tokens
-and every block it proposed, and with ``"one_device": true`` the blocks of DSpark on one device
-(the parent compares them)."""
+JSON line: per recipe, tokens equal, drafts verified and accepted. With ``"dspark": [recipe or
+null, ...]`` also DSpark under each of those recipes (its context rows in the recipe's pages,
+proposed per rank; null: one device): its tokens and every block it proposed (the parent
+compares them)."""
 from __future__ import annotations
 
 import json
@@ -59,7 +59,7 @@ def main():
 
         ddir = generate_dspark_checkpoint(tempfile.mkdtemp(prefix="dspark-"), _draft_config(), seed=1)
         dspec = {"method": "dspark", "num_speculative_tokens": DK, "draft_model": str(ddir)}
-        for recipe in spec["recipes"] + ([None] if spec.get("one_device") else []):
+        for recipe in spec["dspark"]:
             rec = RecordingDrafter(DK)
             plain = plains[recipe] if recipe in plains else run(model, recipe, prompts, params)[0]
             got, st = run(model, recipe, prompts, params, speculative=dspec, drafter=rec)

@@ -32,7 +32,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # recipe child 105 -> 53 s). The same HLO through the same XLA passes: only the CPU machine code
 # is less optimised (TPU AOT compiles are unaffected). Set before jax starts its backend; the
 # children of ``_util.run_children`` and the multi-host servers keep it (``child_xla_flags``).
-# Notebooks run as a user runs them (``_notebooks.py`` drops XLA_FLAGS): 03's benchmark is
+# Notebooks keep these flags but the benchmark one (``_notebooks.py``): 03's benchmark is
 # execution-bound and took 71 -> 104 s at -O0.
 from _util import TEST_XLA_FLAGS  # noqa: E402
 

@@ -163,9 +163,16 @@ def _check_tokens_and_prefix(c: Cluster, reference) -> None:
     assert cached2 >= 16, f"the second turn should hit the prefix cache (cached {cached2})"
 
 
-def test_dcp8_sp2_tokens_prefix_host_tier_info_and_sigterm(ckpt, reference, tmp_path):
-    # one device snapshot slot: every new prefix evicts the last one to the host tier
-    c = Cluster(ckpt, "ep=4,tp=2,dcp=8,sp=2", tmp_path, "--prefix-snapshots", "1")
+def test_dcp8_sp2_suffix_tokens_prefix_host_tier_grammar_info_and_sigterm(ckpt, reference, tmp_path):
+    """One cluster (EP4 x TP2 x DCP8, SP2) serving as a user runs it, with speculative decoding
+    (suffix, k = 3) and one device snapshot slot (every new prefix evicts the last one to the
+    host tier): greedy tokens and prefix hits equal one device's; a prefix evicted to the host
+    tier (each process kept a copy of its own shards) is hit again; the second request of a
+    prompt replays the first one's answer from the tenant's trie, so its drafts are accepted
+    (the follower replays the leader's verify steps and folds); issue #35 across the
+    processes; each process read only its slices of the checkpoint; SIGTERM stops both."""
+    c = Cluster(ckpt, "ep=4,tp=2,dcp=8,sp=2", tmp_path, "--prefix-snapshots", "1", "--speculative", "suffix",
+                "--num-speculative-tokens", "3")
     try:
         c.wait_serving()
         _check_tokens_and_prefix(c, reference)
@@ -176,33 +183,13 @@ def test_dcp8_sp2_tokens_prefix_host_tier_info_and_sigterm(ckpt, reference, tmp_
         assert c.complete(y, 3, "y")[0] == reference(y, 3)
         out, cached = c.complete(x + [7, 8], 4, "x-again")
         assert out == reference(x + [7, 8], 4) and cached >= 16, cached
-        for i in (0, 1):  # each process read its own slices, not the whole checkpoint
-            m = re.search(r"read (\d+) of (\d+) checkpoint bytes", c.log(i))
-            assert m and int(m.group(1)) < int(m.group(2)), c.log(i)
-        info = c.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).server_args
-        assert info["nnodes"] == 2 and info["num_devices"] == 8
-        assert dict(info["mesh_shape"]) == {"dp": 1, "ep": 4, "tp": 2}
-        assert info["dcp_size"] == 8 and info["ep_size"] == 4
-        c.procs[0].send_signal(signal.SIGTERM)
-        assert c.wait_exit(60) == [0, 0], f"{c.log(0)}\n{c.log(1)}"
-        assert "every follower stopped" in c.log(0, tail=None), c.log(0)
-    finally:
-        c.close()
-
-
-def test_speculative_suffix_across_two_processes(ckpt, reference, tmp_path):
-    """Speculative decoding (suffix, k = 3) on EP4 x TP2 x DCP8 over two processes: the second
-    request replays the first one's answer from the tenant's trie, so its drafts are accepted;
-    the tokens equal one device's (the follower replays the leader's verify steps and folds)."""
-    c = Cluster(ckpt, "ep=4,tp=2,dcp=8", tmp_path, "--speculative", "suffix", "--num-speculative-tokens", "3")
-    try:
-        c.wait_serving()
-        x = [(i * 11 + 2) % 500 for i in range(13)]
-        want = reference(x, 16)
+        # suffix decoding: a prompt's second request replays the first one's answer
+        z = [(i * 17 + 4) % 500 for i in range(13)]  # shares no prefix with the prompts above
+        want = reference(z, 16)
         accepted = []
         for turn in range(2):
             done = None
-            for r in c.generate(x, 16, f"spec-{turn}"):
+            for r in c.generate(z, 16, f"spec-{turn}"):
                 if r.HasField("complete"):
                     done = r.complete
             assert list(done.output_ids) == want
@@ -211,17 +198,26 @@ def test_speculative_suffix_across_two_processes(ckpt, reference, tmp_path):
         # predecessor's last token, so a replay of 16 tokens verifies about three rows of 3 (9 if
         # every guess holds; 7 measured); synchronous scheduling accepted 8 here
         assert accepted[0] < accepted[1] >= 6, accepted
-        info = c.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).server_args
-        assert info["speculative_algorithm"] == "suffix" and info["speculative_num_draft_tokens"] == 3
         # issue #35 across the processes: a grammar (its bitmask travels with the step to the
         # follower; the row gets no drafts), a logit bias, n = 2 (greedy: both equal one device's)
-        done = _complete(c, "mh-regex", x, max_new_tokens=12, regex="[a-c]{3}-[0-9]{2}")
+        done = _complete(c, "mh-regex", z, max_new_tokens=12, regex="[a-c]{3}-[0-9]{2}")
         assert len(done) == 1 and re.fullmatch("[a-c]{3}-[0-9]{2}", bytes(done[0].output_ids[:-1]).decode())
         assert done[0].finish_reason == "stop"
-        done = _complete(c, "mh-bias", x, max_new_tokens=4, ignore_eos=True, logit_bias={"65": 100.0})
+        done = _complete(c, "mh-bias", z, max_new_tokens=4, ignore_eos=True, logit_bias={"65": 100.0})
         assert list(done[0].output_ids) == [65] * 4
-        done = _complete(c, "mh-n", x, max_new_tokens=6, ignore_eos=True, n=2)
+        done = _complete(c, "mh-n", z, max_new_tokens=6, ignore_eos=True, n=2)
         assert sorted(d.index for d in done) == [0, 1] and all(list(d.output_ids) == want[:6] for d in done)
+        for i in (0, 1):  # each process read its own slices, not the whole checkpoint
+            m = re.search(r"read (\d+) of (\d+) checkpoint bytes", c.log(i, tail=None))
+            assert m and int(m.group(1)) < int(m.group(2)), c.log(i)
+        info = c.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).server_args
+        assert info["nnodes"] == 2 and info["num_devices"] == 8
+        assert dict(info["mesh_shape"]) == {"dp": 1, "ep": 4, "tp": 2}
+        assert info["dcp_size"] == 8 and info["ep_size"] == 4
+        assert info["speculative_algorithm"] == "suffix" and info["speculative_num_draft_tokens"] == 3
+        c.procs[0].send_signal(signal.SIGTERM)
+        assert c.wait_exit(60) == [0, 0], f"{c.log(0)}\n{c.log(1)}"
+        assert "every follower stopped" in c.log(0, tail=None), c.log(0)
     finally:
         c.close()
 
