@@ -93,19 +93,22 @@ def _release_when_mappings_run_high():
 # xdist's own reordering (by number of tests: one-test files such as the notebook's went last)
 # is off. Heaviest files first, so that the last files a worker takes are short and the two
 # workers end together. Seconds per file, measured on a 2-core box with both workers busy
-# (rounded; only the order matters, and a file not listed counts as light).
+# (``pytest --durations=0``, 2026-12-07, scaled to a quiet box; rounded; only the order matters,
+# and a file not listed counts as light).
 _FILE_SECONDS = {
-    "test_compile_cli": 460, "test_spec_engine": 300, "test_multihost": 260, "test_notebooks": 190,
-    "test_notebook_deploy": 190, "test_sharding": 175, "test_pallas_backend": 150, "test_prefix_engine": 140,
-    "test_pallas_recipes": 105, "test_attention_dp": 105, "test_dspark_engine": 100, "test_preshard": 150,
-    "test_spec_serving": 190, "test_pd_layouts": 90, "test_engine": 75, "test_golden": 65,
-    "test_step_collectives": 60, "test_mla_pool_width": 57, "test_model_step": 57, "test_cli": 55,
-    "test_spec_step": 50, "test_mla_ragged_kernel": 45, "test_pd_smg": 45, "test_weights_loading": 40,
-    "test_llm_api": 36, "test_kda_spec_kernel": 35, "test_tpu_aot_kda": 35, "test_kda_prefill_kernel": 35,
-    "test_pd_server": 24, "test_kda_decode_kernel": 23, "test_kernels": 22, "test_grpc_server": 21,
-    "test_ep_dispatch": 20, "test_kda_pools": 20, "test_roofline": 18, "test_tpu_aot_mla": 17,
-    "test_flat_step": 17, "test_pd_engine": 55, "test_pd_multiprocess": 35, "test_pd_multihost": 130, "test_gmm_mxfp4": 14, "test_mla_ragged": 13,
-    "test_structured": 60, "test_structured_smg": 35, "test_parallel_sampling": 30, "test_packed_rows": 90,
+    "test_spec_engine": 320, "test_spec_serving": 315, "test_compile_cli": 315, "test_dspark_engine": 265,
+    "test_pd_multihost": 245, "test_notebook_deploy": 215, "test_preshard": 205, "test_multihost": 170,
+    "test_notebooks": 170, "test_sharding": 160, "test_packed_rows": 150, "test_attention_dp": 145,
+    "test_structured": 135, "test_engine": 105, "test_pallas_backend": 100, "test_mla_pool_width": 90,
+    "test_pd_layouts": 80, "test_spec_step": 80, "test_pallas_recipes": 75, "test_step_collectives": 75,
+    "test_kda_spec_kernel": 75, "test_pd_multiprocess": 70, "test_golden": 70, "test_pd_smg": 65,
+    "test_structured_smg": 60, "test_model_step": 50, "test_weights_loading": 50, "test_kda_prefill_kernel": 45,
+    "test_llm_api": 40, "test_cli": 40, "test_mla_ragged_kernel": 40, "test_ep_dispatch": 35,
+    "test_prefix_engine": 35, "test_serve_cli": 30, "test_parallel_sampling": 30, "test_pd_engine": 30,
+    "test_tpu_aot_mla": 30, "test_kda_pools": 25, "test_roofline": 25, "test_flat_step": 20, "test_tpu_aot_kda": 20,
+    "test_dspark_model": 20, "test_sampler": 20, "test_gmm_mxfp4": 20, "test_kernels": 20, "test_smg_router": 15,
+    "test_pd_server": 15, "test_layer_plan": 15, "test_grpc_server": 15, "test_mla_ragged": 15,
+    "test_spec_accept": 15, "test_suffix_equivalence": 15,
 }
 
 
