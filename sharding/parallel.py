@@ -314,7 +314,7 @@ class StepParallel:
         ``journal`` (speculative decoding; ``fb`` carries ``decode``, ``jrow``, ``fold_len``):
         each rank runs the record-mode kernel on its block of the journal (:meth:`journal_shardings`:
         its DP group's entries, its heads; the pre-conv rows of a rank are its heads' ``q | k |
-        v``, as its conv block is, so the journal's channels are rank-major like the conv pool's
+        v``, so the journal's channels are rank-major, block j rank j's heads' ``q | k | v``,
         whenever the kernels keep it). Returns the journal fourth."""
         from ..kernels import ops
         from ..model.step import local_rows
