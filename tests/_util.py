@@ -241,6 +241,14 @@ def pd_idle(stub) -> bool:
             and d.decode_prealloc_queue_reqs == d.decode_transfer_queue_reqs == 0)
 
 
+# smg flags for a router started before its workers (as a deployment that starts everything at
+# once): it registers a worker while the worker still loads (health NOT_SERVING) and marks it
+# healthy only after periodic probes see SERVING -- by default every 60 s, two in a row, so a
+# worker that warmed up for 2 minutes stayed unroutable for up to 2 more (test_pd_multihost
+# failed so on a loaded box: "All workers ... are unavailable"). A probe a second, one success.
+ROUTER_HEALTH = ("--health-check-interval-secs", "1", "--health-success-threshold", "1")
+
+
 def wait_for_router(base: str, router, log, timeout: float = 120) -> str:
     """Wait until the router at ``base`` lists a model; returns its id."""
     import json

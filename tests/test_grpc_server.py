@@ -413,6 +413,12 @@ def test_prefix_cache_over_grpc(served):
         except grpc.RpcError:
             pass
 
+    # the stream answers (its headers) before any event: smg gives a subscription 2 s, and an
+    # idle server that answered only with its first event was retried as unavailable
+    headers = threading.Thread(target=stream.initial_metadata, daemon=True)
+    headers.start()
+    headers.join(5)
+    assert not headers.is_alive(), "SubscribeKvEvents sent no headers before its first event"
     th = threading.Thread(target=read, daemon=True)
     th.start()
     time.sleep(0.3)  # subscribed before the request below stores anything

@@ -24,7 +24,7 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from _util import (assert_all_free, free_port, log_tail, pd_idle, post_json as _post, stop_process,
+from _util import (ROUTER_HEALTH, assert_all_free, free_port, log_tail, pd_idle, post_json as _post, stop_process,
                    tiny_text_checkpoint, tool_path, wait_for_router, wait_scheduler_healthy)
 
 SMG = tool_path("smg")
@@ -117,7 +117,8 @@ def stack(tmp_path_factory, cache_home):
         router = subprocess.Popen([SMG, "launch", "--pd-disaggregation", "--prefill", f"grpc://127.0.0.1:{pre_port}",
                                    str(boot), "--decode", f"grpc://127.0.0.1:{dec_port}", "--model-path", str(ckpt),
                                    "--host", "127.0.0.1", "--port", str(http), "--prometheus-host", "127.0.0.1",
-                                   "--prometheus-port", str(prom), "--worker-startup-check-interval", "1"],
+                                   "--prometheus-port", str(prom), "--worker-startup-check-interval", "1",
+                                   *ROUTER_HEALTH],
                                   stdout=log, stderr=subprocess.STDOUT)
         pre, dec = Proc(ckpt, "prefill", env, boot=boot, port=pre_port), Proc(ckpt, "decode", env, port=dec_port)
         made += [pre, dec]

@@ -15,8 +15,8 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from _util import (free_port, log_tail, post_json as _post, stop_process, tiny_text_checkpoint, tool_path,
-                   wait_for_router)
+from _util import (ROUTER_HEALTH, free_port, log_tail, post_json as _post, stop_process, tiny_text_checkpoint,
+                   tool_path, wait_for_router)
 
 SMG = tool_path("smg")
 pytestmark = [pytest.mark.skipif(SMG is None, reason="smg (dev extra) is not installed"),
@@ -47,7 +47,8 @@ def stack(tmp_path_factory):
     router = subprocess.Popen([SMG, "launch", "--worker-urls", f"grpc://127.0.0.1:{port}",
                                "--model-path", str(ckpt), "--host", "127.0.0.1", "--port", str(http),
                                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
-                               "--worker-startup-check-interval", "1"], stdout=log, stderr=subprocess.STDOUT)
+                               "--worker-startup-check-interval", "1", *ROUTER_HEALTH],
+                              stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{http}"
     server = None
     try:

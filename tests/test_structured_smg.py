@@ -16,7 +16,8 @@ import subprocess
 import pytest
 
 from _json_schema_check import problems
-from _util import free_port, log_tail, post_json, stop_process, tiny_text_checkpoint, tool_path, wait_for_router
+from _util import (ROUTER_HEALTH, free_port, log_tail, post_json, stop_process, tiny_text_checkpoint, tool_path,
+                   wait_for_router)
 
 from k3serve.server.structured.xgrammar_native import available
 
@@ -56,7 +57,7 @@ def stack(tmp_path_factory):
     log = open(tmp_path_factory.mktemp("smg") / "smg.log", "w+")
     router = subprocess.Popen([SMG, "launch", "--worker-urls", f"grpc://127.0.0.1:{port}", "--model-path", str(ckpt),
                                "--host", "127.0.0.1", "--port", str(http), "--prometheus-host", "127.0.0.1",
-                               "--prometheus-port", str(prom), "--worker-startup-check-interval", "1",
+                               "--prometheus-port", str(prom), "--worker-startup-check-interval", "1", *ROUTER_HEALTH,
                                "--tool-call-parser", "kimi_k3", "--reasoning-parser", "kimi_k3"],
                               stdout=log, stderr=subprocess.STDOUT)
     server = None

@@ -519,6 +519,9 @@ class Servicer(pb_grpc.SglangSchedulerServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prefix caching is off: no KV events")
         log = loop.engine.prefix_cache.events
         seq = log.last_seq if request.start_sequence_number == 0 else request.start_sequence_number - 1
+        # answer at once (the response headers), not with the first event: smg gives a
+        # subscription 2 s to answer and, on an idle server, retried it every 5 s as unavailable
+        context.send_initial_metadata(())
         while context.is_active() and loop.accepting:
             for b in log.after(seq, timeout=0.5):
                 seq = b.seq
