@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ....model.cache import conv_pool_logical, conv_pool_rows
+from ....model.cache import conv_pool_logical, conv_pool_rows, conv_window_shape
 
 
 def split_of(pool):
@@ -126,15 +126,11 @@ def _load_prefix(cache, idx, pos0, rows, tokens, slot, state, conv, *, conv_grou
                              cv_split))
 
 
-def _conv_window(cache) -> int:
-    """W-1: the conv pool holds ``(W-1) * 3 * H`` rows a slot, H the state pool's heads."""
-    return cache.kda_conv.shape[2] // (3 * cache.kda_state.shape[2])
-
-
 def _read_prefix(cache, slot, idx, *, conv_groups: int = 1, kv_split=None, st_split=None, cv_split=None):
     at = jnp.reshape(slot, (1,))
     return (_read_rows(cache.kda_state, at, st_split)[:, 0],
-            conv_pool_logical(_read_rows(cache.kda_conv, at, cv_split)[:, 0], conv_groups, _conv_window(cache)),
+            conv_pool_logical(_read_rows(cache.kda_conv, at, cv_split)[:, 0], conv_groups,
+                              conv_window_shape(cache.kda_conv.shape, cache.kda_state.shape[2])[1]),
             _read_rows(cache.mla_kv, idx, kv_split))
 
 
