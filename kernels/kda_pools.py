@@ -16,6 +16,13 @@ elements; ``kda_decode_kernel`` docstring): on TPU only the latter compiles with
 copying the whole pool in and out around the decode kernel. Block sizes and VMEM limits are
 the kernels' own (derived from their VMEM budgets).
 
+Rows of two tokens or more are rare in a decode step: the prefill path runs under a ``cond``
+(only when some row has two tokens or more: ``any_prefill``, the step's own test by default; a
+caller on several devices passes one for the whole step, so every device takes the same branch,
+which TPU interpret mode needs: its kernels synchronise all devices), and ``prefill_rows=False``
+leaves it out (a caller that knows every row has at most one token;
+``sharding.parallel.StepParallel.kda_prefill_rows``).
+
 Rows with no tokens are untouched. A caller that masks a whole layer (``q_lens`` all zero, as
 the layer scan does for a non-KDA layer) gets zeros and unchanged pools: neither kernel visits
 a row and no window is scattered.
@@ -36,7 +43,7 @@ F32, I32 = jnp.float32, jnp.int32
 def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool, layer,
                        tok_row, cu_q_lens, q_lens, start_pos, read_slot, write_slot, fresh, snap_row, snap_len,
                        snap_slot, *, lower_bound, eps, interpret=None, journal=None, decode=None, jrow=None,
-                       fold_len=None):
+                       fold_len=None, prefill_rows: bool = True, any_prefill=None):
     """``(o [T, H, d] float32 after the gated output norm, state_pool, conv_pool)``, and the
     journal fourth when one is given.
 
@@ -51,7 +58,11 @@ def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_nor
     or one token) then run the record-mode kernel (``kda_spec_kernel.kda_spec_decode``: last
     step's accepted drafts folded in, the first token committed, the drafts verified and
     journaled in entry ``jrow``), whatever their length; the other rows of two tokens or more
-    take the prefill path. Only decode rows fold (the engine folds nothing into a prefill row)."""
+    take the prefill path. Only decode rows fold (the engine folds nothing into a prefill row).
+
+    ``prefill_rows=False``: no row has two tokens or more (or, with a journal, no row that is
+    not a decode row does): the prefill path is not built. ``any_prefill``: a bool scalar, whether
+    the path runs (None: whether some row here takes it). Module docstring."""
     T = qkv_raw.shape[0]
     R = q_lens.shape[0]
     ql = q_lens.astype(I32)
@@ -60,7 +71,8 @@ def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_nor
     if journal is not None:
         return _with_journal(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool, layer,
                              tok_row, cu, ql, start_pos, read_slot, write_slot, fresh, snap_row, snap_len, snap_slot,
-                             journal, decode, jrow, fold_len, lower_bound=lower_bound, eps=eps, interpret=interpret)
+                             journal, decode, jrow, fold_len, lower_bound=lower_bound, eps=eps, interpret=interpret,
+                             prefill_rows=prefill_rows, any_prefill=any_prefill)
     one, pre = ql == 1, ql >= 2
 
     # ---- one-token rows: the decode kernel (a row's token is its first)
@@ -70,10 +82,11 @@ def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_nor
         jnp.where(one, write_slot, -1), row_snap, fresh, jnp.where(jnp.any(one), R, 0), conv_w, A_log, dt_bias,
         o_norm, lower_bound=lower_bound, eps=eps, interpret=interpret)
 
-    o_pre, state_pool, conv_pool = _prefill_rows(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool,
-                                                 conv_pool, layer, tok_row, cu, ql, pre, start_pos, read_slot,
-                                                 write_slot, fresh, snap_row, snap_len, snap_slot,
-                                                 lower_bound=lower_bound, eps=eps, interpret=interpret)
+    o_pre, state_pool, conv_pool = _prefill_if_any(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm,
+                                                   state_pool, conv_pool, layer, tok_row, cu, ql, pre, start_pos,
+                                                   read_slot, write_slot, fresh, snap_row, snap_len, snap_slot,
+                                                   lower_bound=lower_bound, eps=eps, interpret=interpret,
+                                                   build=prefill_rows, run=any_prefill)
 
     # ---- each token's output: its row's decode output or its prefill output
     r = jnp.minimum(tok_row, R - 1)
@@ -90,7 +103,7 @@ def _first_token_snapshots(snap_row, snap_len, snap_slot, R: int):
 
 def _with_journal(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool, layer, tok_row,
                   cu, ql, start_pos, read_slot, write_slot, fresh, snap_row, snap_len, snap_slot, journal, decode, jrow,
-                  fold_len, *, lower_bound, eps, interpret):
+                  fold_len, *, lower_bound, eps, interpret, prefill_rows, any_prefill):
     """:func:`kda_layer_on_pools` of a speculative step: decode rows by the record-mode kernel."""
     T, R = qkv_raw.shape[0], ql.shape[0]
     D = journal[0].shape[2]
@@ -104,16 +117,34 @@ def _with_journal(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, st
         jnp.where(is_dec, write_slot, -1), jnp.where(is_dec, row_snap, -1), fresh,
         jnp.where(jnp.any(is_dec), R, 0), conv_w, A_log, dt_bias, o_norm, lower_bound=lower_bound, eps=eps,
         interpret=interpret)
-    o_pre, state_pool, conv_pool = _prefill_rows(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool,
-                                                 conv_pool, layer, tok_row, cu, ql, pre, start_pos, read_slot,
-                                                 write_slot, fresh, snap_row, snap_len, snap_slot,
-                                                 lower_bound=lower_bound, eps=eps, interpret=interpret)
+    o_pre, state_pool, conv_pool = _prefill_if_any(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm,
+                                                   state_pool, conv_pool, layer, tok_row, cu, ql, pre, start_pos,
+                                                   read_slot, write_slot, fresh, snap_row, snap_len, snap_slot,
+                                                   lower_bound=lower_bound, eps=eps, interpret=interpret,
+                                                   build=prefill_rows, run=any_prefill)
     r = jnp.minimum(tok_row, R - 1)
     live = tok_row < R
     i = jnp.clip(jnp.arange(T, dtype=I32) - cu[r], 0, D)  # each token's position in its row
     o = jnp.where((live & is_dec[r])[:, None, None], o_dec[r, i],
                   jnp.where((live & pre[r])[:, None, None], o_pre, 0.0))
     return o, state_pool, conv_pool, journal
+
+
+def _prefill_if_any(*args, build: bool, run=None, **kw):
+    """:func:`_prefill_rows` when ``run`` (None: some row is in ``pre``, argument 14), else zeros
+    and the pools unchanged; ``build=False``: no row is (the branch is not built). The ``cond`` keeps a decode
+    step off the prefill path's conv gather and scatter and the prefill kernel's grid (measured
+    with ``k3serve compile``: docs/compile.md)."""
+    qkv_raw, f, beta = args[0], args[1], args[2]
+    T, H = qkv_raw.shape[0], beta.shape[-1]
+
+    def skip(a):
+        return jnp.zeros((T, H, f.shape[-1] // H), F32), a[8], a[9]
+
+    if not build:
+        return skip(args)
+    run = jnp.any(args[14]) if run is None else jnp.asarray(run, bool).reshape(())
+    return jax.lax.cond(run, lambda a: _prefill_rows(*a, **kw), skip, args)
 
 
 def _prefill_rows(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool, layer, tok_row,

@@ -73,18 +73,20 @@ def kda_kernels_fit(head_dim: int, backend: str) -> bool:
 def kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool, layer,
                        tok_row, cu_q_lens, q_lens, start_pos, read_slot, write_slot, fresh, snap_row, snap_len,
                        snap_slot, *, lower_bound, eps, backend: str, journal=None, decode=None, jrow=None,
-                       fold_len=None):
+                       fold_len=None, prefill_rows: bool = True, any_prefill=None):
     """One KDA layer's core on the flattened step, on the state and conv pools in place, with
     the Pallas decode and prefill kernels (``kernels/kda_pools.py``); "pallas" or
     "pallas-interpret" only (the reference path runs on gathered rows: ``model/kda.py``).
     With a speculative ``journal`` (and the step's ``decode``, ``jrow``, ``fold_len``) decode
     rows run the record-mode kernel (``kernels/kda_spec_kernel.py``) and the journal comes back
-    fourth."""
+    fourth. ``prefill_rows=False``: no row takes the prefill path (it is not built);
+    ``any_prefill``: whether it runs (a bool scalar; None: whether some row takes it)."""
     return _kda_layer_on_pools(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, state_pool, conv_pool, layer,
                                tok_row, cu_q_lens, q_lens, start_pos, read_slot, write_slot, fresh, snap_row,
                                snap_len, snap_slot, lower_bound=lower_bound, eps=eps,
                                interpret=_interpret(backend), journal=journal, decode=decode, jrow=jrow,
-                               fold_len=fold_len)
+                               fold_len=fold_len, prefill_rows=prefill_rows,
+                               any_prefill=any_prefill)
 
 
 __all__ = [

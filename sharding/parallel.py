@@ -96,6 +96,10 @@ class StepParallel:
         # "auto" (ragged on accelerators, padded on CPU); None leaves the routed experts to
         # XLA's Auto partitioner
         self.ep_impl = ep_dispatch if recipe.ep > 1 else None
+        # False: the steps compiled have no KDA row of two tokens or more, so the KDA layers leave
+        # their prefill path out (``kernels/kda_pools.py``; ``aot_build.decode_costs`` measures
+        # the decode step so: the branch such a step takes)
+        self.kda_prefill_rows = True
 
     # ------------------------------------------------------------------ specs
     def _ax(self, axes):
@@ -329,14 +333,14 @@ class StepParallel:
         cv_spec = P(None, ax, h, None)  # rows (g, t, part, h): a rank's block is its heads' windows
         d = P(ax)
         in_specs = (P(ax, None, h), P(ax, h), P(ax, h), P(ax, h), P(None, h, None), P(h), P(h), P(), st_spec, cv_spec,
-                    P(), d, d, d, d, d, d, d, d, d, d)
+                    P(), d, d, d, d, d, d, d, d, d, d, P())
         j_specs = ()
         if journal is not None:
             j_specs = tuple(sh.spec for sh in self.journal_shardings(H))
             in_specs = in_specs + (j_specs, d, d, d)
 
         def local(qkv3, f, beta, gate_out, conv_w3, A_log, dt_bias, o_norm, state, conv, layer, tok_row, cu, q_lens,
-                  start_pos, read_slot, write_slot, fresh, snap_row, snap_len, snap_slot, *spec):
+                  start_pos, read_slot, write_slot, fresh, snap_row, snap_len, snap_slot, any_pre, *spec):
             R, S = q_lens.shape[0], state.shape[1]
             base = jax.lax.axis_index("dp") * S if self.dp > 1 else 0
             Tl, Pl = f.shape
@@ -350,14 +354,21 @@ class StepParallel:
                 qkv3.reshape(Tl, 3 * Pl), f, beta, gate_out, conv_w3.reshape(3 * Pl, W), A_log, dt_bias, o_norm, state,
                 conv, layer, local_rows(tok_row, R), cu, q_lens, start_pos, jnp.clip(read_slot - base, 0, S - 1),
                 self._group_slots(S, write_slot), fresh, local_rows(snap_row, R), snap_len,
-                self._group_slots(S, snap_slot), lower_bound=lower_bound, eps=eps, backend=backend, **kw)
+                self._group_slots(S, snap_slot), lower_bound=lower_bound, eps=eps, backend=backend,
+                prefill_rows=self.kda_prefill_rows, any_prefill=any_pre, **kw)
 
         out_specs = (P(ax, h, None), st_spec, cv_spec) + ((j_specs,) if journal is not None else ())
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
         extra = () if journal is None else (tuple(journal), fb.decode, fb.jrow, fb.fold_len)
+        # whether some row of the whole step takes the prefill path: one branch on every device
+        # (``kernels/kda_pools.py``), as the kernels' rows are defined there
+        pre = q_lens >= 2
+        if journal is not None:
+            pre = pre & ~(fb.decode & (q_lens >= 1))
         return fn(qkv_raw, f, beta, gate_out, conv_w.reshape(3, Pw, W), A_log, dt_bias, o_norm,
                   state_pool, conv_pool, jnp.asarray(layer, jnp.int32), fb.tok_row, fb.cu_q_lens, q_lens,
-                  fb.start_pos, fb.read_slot, fb.write_slot, fb.fresh, fb.snap_row, fb.snap_len, fb.snap_slot, *extra)
+                  fb.start_pos, fb.read_slot, fb.write_slot, fb.fresh, fb.snap_row, fb.snap_len, fb.snap_slot,
+                  jnp.any(pre), *extra)
 
     # ------------------------------------------------------------------ KDA slots by DP group
     def take_slots(self, pool, slots, kda_heads: int | None = None):

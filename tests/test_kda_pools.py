@@ -7,6 +7,8 @@ row, an empty row, padding tokens, and a masked layer (all ``q_len`` 0) that mus
 nothing."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,10 +24,12 @@ T, R = 24, 5
 EPS, LB = 1e-5, -5.0
 
 
-def _step():
-    # rows: (q_len, start, read, write, fresh); row 4 is empty; tokens 21.. are padding
-    rows = [(9, 3, 3, 4, False), (1, 5, 1, 1, False), (1, 0, 2, 2, True), (10, 0, 9, 5, True), (0, 0, 0, S, True)]
-    snaps = [(0, 4, 6), (1, 1, 7), (3, 10, 8)]  # (row, length, slot): mid-row, one-token row, row end
+# rows: (q_len, start, read, write, fresh); row 4 is empty; tokens 21.. are padding
+ROWS = [(9, 3, 3, 4, False), (1, 5, 1, 1, False), (1, 0, 2, 2, True), (10, 0, 9, 5, True), (0, 0, 0, S, True)]
+SNAPS = [(0, 4, 6), (1, 1, 7), (3, 10, 8)]  # (row, length, slot): mid-row, one-token row, row end
+
+
+def _step(rows=ROWS, snaps=SNAPS):
     cu = np.zeros(R + 1, np.int32)
     tok_row = np.full(T, R, np.int32)
     t = 0
@@ -83,18 +87,19 @@ def _reference(tok, par, state, conv, layer, m):
     return o, state, conv
 
 
-@jax.jit
-def _core(tok, par, state, conv, layer, m):  # one program for every test: metadata are arguments
+@functools.partial(jax.jit, static_argnames="prefill_rows")
+def _core(tok, par, state, conv, layer, m, prefill_rows=True):  # metadata are arguments
     return ops.kda_layer_on_pools(
         *(tok[k] for k in ("qkv_raw", "f", "beta", "gate_out")),
         *(par[k] for k in ("conv_w", "A_log", "dt_bias", "o_norm")), state, conv, layer, m["tok_row"],
         m["cu_q_lens"], m["q_lens"], m["start_pos"], m["read_slot"], m["write_slot"], m["fresh"], m["snap_row"],
-        m["snap_len"], m["snap_slot"], lower_bound=LB, eps=EPS, backend="pallas-interpret")
+        m["snap_len"], m["snap_slot"], lower_bound=LB, eps=EPS, backend="pallas-interpret",
+        prefill_rows=prefill_rows)
 
 
-def _run(tok, par, state, conv, layer, m):
+def _run(tok, par, state, conv, layer, m, **kw):
     return _core(*(jax.tree.map(jnp.asarray, x) for x in (tok, par, state, conv)), jnp.int32(layer),
-                 jax.tree.map(jnp.asarray, m))
+                 jax.tree.map(jnp.asarray, m), **kw)
 
 
 def test_layer_on_pools_matches_the_reference_core():
@@ -112,6 +117,22 @@ def test_layer_on_pools_matches_the_reference_core():
     np.testing.assert_array_equal(cv[1, untouched], conv[1, untouched])
     np.testing.assert_array_equal(st[0], state[0])
     np.testing.assert_array_equal(cv[0], conv[0])
+
+
+def test_decode_step_takes_no_prefill_path():
+    """A step whose rows have at most one token (a fresh row, a prefix hit, a snapshot after the
+    token, an empty row): the prefill path's ``cond`` is not taken, and the program built without
+    that path (``prefill_rows=False``, what ``k3serve compile`` measures a decode step with) gives
+    the same outputs and pools, bit for bit; both match the reference core."""
+    tok, par, state, conv = _inputs(2)
+    m = _step([(1, 5, 3, 4, False), (1, 5, 1, 1, False), (1, 0, 2, 2, True), (1, 7, 9, 5, False), (0, 0, 0, S, True)],
+              [(1, 1, 7), (3, 1, 8)])
+    got = [np.asarray(x) for x in _run(tok, par, state, conv, 1, m)]
+    static = [np.asarray(x) for x in _run(tok, par, state, conv, 1, m, prefill_rows=False)]
+    for a, b in zip(got, static):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(got, _reference(tok, par, state, conv, 1, m)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_masked_layer_changes_nothing():

@@ -224,6 +224,9 @@ def decode_costs(build, cfg, T: int, context=contextlib.nullcontext, log=None) -
     receive buffers of twice the balanced load), what every step whose routing fits them runs:
     XLA's cost analysis counts a ``cond`` at its larger branch, the worst-case buffers a step
     takes only when some rank would receive more (``"ep_exchange"`` in the result says so).
+    Likewise the KDA layers run their prefill path (rows of two tokens or more) under a ``cond``
+    (``kernels/kda_pools.py``); a decode step takes the other branch, so the decode programs are
+    compiled without it (``StepParallel.kda_prefill_rows``).
     ``{"flops", "bytes_accessed", "collectives", "per_layer": {kind: {...}}, "base": {...},
     "programs": [Built]}`` (None figures where a program failed)."""
     from ...sharding import tpu_aot
@@ -241,6 +244,8 @@ def decode_costs(build, cfg, T: int, context=contextlib.nullcontext, log=None) -
         par = eng.par
         if par is not None and par.ep_impl is not None and resolve_impl(par.ep_impl, par.mesh) == "ragged":
             par.ep_impl, usual = "ragged-usual", True  # the exchange a step whose routing fits runs (docstring)
+        if par is not None:  # one token per row: the KDA layers' prefill path is a branch not taken (docstring)
+            par.kda_prefill_rows = False
         run = eng.runner
         built, _ = _attempt(f"decode_layers[{' '.join(_label(k) for k in layers)}]",
                             lambda: run._jit(T).lower(eng.model.params, eng.cache_mgr.device_cache,
