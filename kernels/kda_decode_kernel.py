@@ -373,8 +373,29 @@ def decode_blocks(R: int, H: int, d: int, W: int, budget: int) -> tuple[int, int
 def conv_is_rows(shape, H: int, d: int, W: int) -> bool:
     """Whether a conv pool of ``shape`` is in the row layout ``[L, S, (W-1)*3H, d]`` rather
     than ``[L, S, W-1, 3P]`` (the same elements in the same order, P = H*d; module docstring:
-    why the row layout)."""
-    return len(shape) == 4 and tuple(shape[2:]) == ((W - 1) * 3 * H, d)
+    why the row layout). The rows may go on to a multiple of 8 (``model.cache.conv_block_rows``:
+    padding rows, never read or written here)."""
+    n = (W - 1) * 3 * H
+    return len(shape) == 4 and shape[3] == d and (shape[2] == n or (shape[2] == -(-n // 8) * 8))
+
+
+def conv_slot_window(x, W: int, P: int):
+    """A slot's conv window ``[..., W-1, 3P]`` from its pool rows ``[..., rows, d]`` or
+    ``[..., W-1, 3P]`` (either layout; padding rows dropped)."""
+    lead = x.shape[:-2]
+    flat = x.reshape(lead + (-1,))[..., :(W - 1) * 3 * P]
+    return flat.reshape(lead + (W - 1, 3 * P))
+
+
+def conv_slot_rows(win, pool_shape):
+    """The inverse of :func:`conv_slot_window`: windows ``[..., W-1, 3P]`` as slots of a pool of
+    ``pool_shape`` (padding rows zeros)."""
+    lead = win.shape[:-2]
+    flat = win.reshape(lead + (-1,))
+    n = pool_shape[2] * pool_shape[3]
+    if n > flat.shape[-1]:
+        flat = jnp.pad(flat, [(0, 0)] * len(lead) + [(0, n - flat.shape[-1])])
+    return flat.reshape(lead + tuple(pool_shape[2:]))
 
 
 def _check(qkv_raw, f, beta, gate_out, state_pool, conv_pool, tok, conv_w, A_log, dt_bias, o_norm):
@@ -384,7 +405,7 @@ def _check(qkv_raw, f, beta, gate_out, state_pool, conv_pool, tok, conv_w, A_log
     W = conv_w.shape[1]
     want = {"qkv_raw": (qkv_raw.shape, (T, 3 * P)), "f": (f.shape, (T, P)), "beta": (beta.shape, (T, H)),
             "gate_out": (gate_out.shape, (T, P)),
-            "conv_pool": (conv_pool.shape, (L, S, (W - 1) * 3 * H, d) if conv_is_rows(conv_pool.shape, H, d, W)
+            "conv_pool": (conv_pool.shape, (L, S, conv_pool.shape[2], d) if conv_is_rows(conv_pool.shape, H, d, W)
                           else (L, S, W - 1, 3 * P)),
             "conv_w": (conv_w.shape, (3 * P, W)), "A_log": (A_log.shape, (H,)), "dt_bias": (dt_bias.shape, (P,)),
             "o_norm": (o_norm.shape, (d,)), "state_pool": ((dv,), (d,))}
@@ -494,7 +515,7 @@ def kda_decode_reference(qkv_raw, f, beta, gate_out, state_pool, conv_pool, laye
     fr = jnp.asarray(fresh).astype(bool)
     rd = jnp.clip(read_slot, 0, S - 1)
     t = jnp.clip(tok, 0, T - 1)
-    conv_rows = jnp.where(fr[:, None, None], 0.0, conv_pool[layer, rd].astype(F32).reshape(R, W - 1, 3 * P))
+    conv_rows = jnp.where(fr[:, None, None], 0.0, conv_slot_window(conv_pool[layer, rd].astype(F32), W, P))
     state_rows = jnp.where(fr[:, None, None, None], 0.0, state_pool[layer, rd].astype(F32))
     rows = jnp.arange(R, dtype=I32)
     none = jnp.zeros((0,), I32)
@@ -518,6 +539,6 @@ def kda_decode_reference(qkv_raw, f, beta, gate_out, state_pool, conv_pool, laye
     for slot in (write_slot, snap_slot):
         idx = target(jnp.asarray(slot, I32))
         state_pool = state_pool.at[layer, idx].set(new_state.astype(state_pool.dtype), mode="drop")
-        conv_pool = conv_pool.at[layer, idx].set(new_conv.reshape((R,) + conv_pool.shape[2:]).astype(conv_pool.dtype),
+        conv_pool = conv_pool.at[layer, idx].set(conv_slot_rows(new_conv, conv_pool.shape).astype(conv_pool.dtype),
                                                  mode="drop")
     return o, state_pool, conv_pool

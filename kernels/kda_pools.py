@@ -32,7 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .kda_decode_kernel import _l2_normalize, _log_decay, _rms_normalize, kda_decode
+from .kda_decode_kernel import _l2_normalize, _log_decay, _rms_normalize, conv_slot_rows, conv_slot_window, kda_decode
 from .kda_prefill_kernel import kda_prefill
 from .kda_ragged import ragged_causal_conv
 from .kda_spec_kernel import kda_spec_decode
@@ -162,7 +162,7 @@ def _prefill_rows(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, st
     qlp = jnp.where(pre, ql, 0)
     tok_pre = jnp.where(pre[jnp.minimum(tok_row, R - 1)] & (tok_row < R), tok_row, R)
     W1 = conv_w.shape[1] - 1
-    conv_rows = conv_pool[layer, jnp.clip(read_slot, 0, S - 1)].reshape(R, W1, 3 * P)  # either pool layout
+    conv_rows = conv_slot_window(conv_pool[layer, jnp.clip(read_slot, 0, S - 1)], W1 + 1, P)  # either pool layout
     conv_rows = jnp.where((fresh | ~pre)[:, None, None], 0.0, conv_rows)
     y, new_conv, snap_conv = ragged_causal_conv(qkv_raw, conv_rows, conv_w, tok_pre, cu, qlp, snap_row, snap_len)
     y = jax.nn.silu(y)
@@ -175,7 +175,7 @@ def _prefill_rows(qkv_raw, f, beta, gate_out, conv_w, A_log, dt_bias, o_norm, st
                                     read_slot, write_slot, fresh, snap_row, snap_len, snap_slot, interpret=interpret)
     s_row = jnp.minimum(snap_row, R - 1)
     s_ok = (snap_row < R) & pre[s_row] & (snap_len >= 1) & (snap_len <= qlp[s_row])
-    win = lambda x: x.reshape(x.shape[:1] + conv_pool.shape[2:]).astype(conv_pool.dtype)  # noqa: E731
+    win = lambda x: conv_slot_rows(x, conv_pool.shape).astype(conv_pool.dtype)  # noqa: E731
     conv_pool = conv_pool.at[layer, jnp.where(pre, write_slot, S)].set(win(new_conv), mode="drop")
     conv_pool = conv_pool.at[layer, jnp.where(s_ok, snap_slot, S)].set(win(snap_conv), mode="drop")
     gate = jax.nn.sigmoid(gate_out.astype(F32).reshape(T, H, d))

@@ -72,7 +72,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import cost_estimates
 from .kda_decode_kernel import (VMEM_LIMIT, _check, _l2_normalize, _log_decay, _pad, _rms_normalize,
-                                conv_is_rows)
+                                conv_is_rows, conv_slot_rows, conv_slot_window)
 from .kda_ragged import kda_ragged, ragged_causal_conv
 from .kda_spec import conv_window_commit, kda_fold
 
@@ -533,7 +533,7 @@ def kda_spec_decode_reference(qkv_raw, f, beta, gate_out, state_pool, conv_pool,
     t = jnp.clip(tok[:, None] + jnp.arange(n)[None, :], 0, T - 1).reshape(-1)  # [R * n]
     pos = jnp.tile(jnp.arange(n), R)
     tok_row = jnp.where(pos < jnp.repeat(ql, n), jnp.repeat(jnp.arange(R, dtype=I32), n), R)
-    conv_rows = jnp.where(fr[:, None, None], 0.0, conv_pool[layer, rd].astype(F32).reshape(R, W - 1, 3 * P))
+    conv_rows = jnp.where(fr[:, None, None], 0.0, conv_slot_window(conv_pool[layer, rd].astype(F32), W, P))
     state_rows = jnp.where(fr[:, None, None, None], 0.0, state_pool[layer, rd].astype(F32))
     at = jnp.maximum(jr, 0)
     a = jnp.where(jr >= 0, jnp.clip(jnp.asarray(fold_len, I32), 0, D), 0)
@@ -562,7 +562,7 @@ def kda_spec_decode_reference(qkv_raw, f, beta, gate_out, state_pool, conv_pool,
     for slot in (write_slot, snap_slot):
         idx = target(jnp.asarray(slot, I32))
         state_pool = state_pool.at[layer, idx].set(new_state.astype(state_pool.dtype), mode="drop")
-        conv_pool = conv_pool.at[layer, idx].set(new_conv.reshape((R,) + conv_pool.shape[2:]).astype(conv_pool.dtype),
+        conv_pool = conv_pool.at[layer, idx].set(conv_slot_rows(new_conv, conv_pool.shape).astype(conv_pool.dtype),
                                                  mode="drop")
     je = jnp.where(jr >= 0, jr, J)
     raw_drafts = raw.reshape(R, n, 3 * P)[:, 1:]

@@ -322,7 +322,7 @@ class KimiLM(nnx.Module):
             conv_groups = 1 if par is None else par.conv_groups(H_kda)
             conv_rows = jnp.where(fb.fresh[None, :, None, None], 0.0,
                                   conv_pool_logical(take(cache.kda_conv, fb.read_slot), conv_groups,
-                                                    cfg.conv_kernel_size - 1))
+                                                    cfg.conv_kernel_size - 1, H_kda))
             state_rows = jnp.where(fb.fresh[None, :, None, None, None], 0.0, take(cache.kda_state, fb.read_slot))
             if journal is not None:  # last step's accepted drafts, committed as plain decoding would
                 state_rows, conv_rows = fold_journal(state_rows, conv_rows, journal, fb.jrow, fb.fold_len, par)

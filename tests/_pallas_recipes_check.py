@@ -73,7 +73,8 @@ def greedy(m, recipe: str | None, prompts, new_tokens: int) -> dict:
     for g in groups:  # rows laid out by DP group, as the runner does
         at.append(g * Bg + seen[g])
         seen[g] += 1
-    alloc = lambda: allocate_cache(cfg, plan.num_slots, plan.num_pages, PAGE, m.dtype)  # noqa: E731
+    groups = 1 if par is None else par.conv_groups(cfg.kda_num_heads)
+    alloc = lambda: allocate_cache(cfg, plan.num_slots, plan.num_pages, PAGE, m.dtype, groups)  # noqa: E731
     cache = alloc() if par is None else jax.jit(alloc, out_shardings=Cache(**par.cache_shardings(cfg.kda_num_heads)))()
     step = jax.jit(lambda p, c, b, at: nnx.merge(m.graphdef, p)(b, c, par=par, logits_at=at), donate_argnums=(1,))
 
@@ -164,7 +165,7 @@ def kda_pools_error(recipe: str) -> float:
     import jax.numpy as jnp
 
     from k3serve.kernels import ops
-    from k3serve.model.cache import conv_pool_logical, conv_pool_rows
+    from k3serve.model.cache import conv_block_rows, conv_pool_logical, conv_pool_rows
 
     H, d, W, L = 8, 16, 4, 2
     P = H * d
@@ -223,9 +224,10 @@ def kda_pools_error(recipe: str) -> float:
     G = par.conv_groups(H)  # the pool's rows stored rank-major over the heads' ranks
     assert G == r.attn_group > 1, (G, r.attn_group)
     cv_in = jax.device_put(np.asarray(conv_pool_rows(jnp.asarray(conv), G, d)), sh["kda_conv"])
-    assert cv_in.sharding.shard_shape(cv_in.shape)[-2] == (W - 1) * 3 * H // G  # each device: its heads' rows only
+    # each device: its heads' rows only, padded to whole tiles
+    assert cv_in.sharding.shard_shape(cv_in.shape)[-2] == conv_block_rows(W - 1, H, G)
     o, st2, cv2 = jax.jit(g)(jax.device_put(state, sh["kda_state"]), cv_in)
-    cv2 = conv_pool_logical(cv2, G, W - 1)
+    cv2 = conv_pool_logical(cv2, G, W - 1, H)
     rel = lambda a, b: float(np.abs(np.asarray(a) - b).max() / np.abs(b).max())  # noqa: E731
     return max(rel(o, want_o), rel(st2, want_st), rel(cv2, want_cv))
 
@@ -252,7 +254,7 @@ def kda_spec_pools_error(recipe: str) -> float:
     import jax.numpy as jnp
 
     from k3serve.kernels import ops
-    from k3serve.model.cache import conv_pool_logical, conv_pool_rows
+    from k3serve.model.cache import conv_block_rows, conv_pool_logical, conv_pool_rows
 
     H, d, W, L, D = 8, 16, 4, 2, 3
     P = H * d
@@ -324,7 +326,7 @@ def kda_spec_pools_error(recipe: str) -> float:
 
     cv_in = jax.device_put(np.asarray(conv_pool_rows(jnp.asarray(conv), G, d)), sh["kda_conv"])
     o, st2, cv2, jl2 = jax.jit(g)(jax.device_put(state, sh["kda_state"]), cv_in, j_in)
-    got = [o, st2, conv_pool_logical(cv2, G, W - 1), *jl2[:3], _channels_rank_major(np.asarray(jl2[3]), G, back=True)]
+    got = [o, st2, conv_pool_logical(cv2, G, W - 1, H), *jl2[:3], _channels_rank_major(np.asarray(jl2[3]), G, back=True)]
     rel = lambda a, b: float(np.abs(np.asarray(a) - b).max() / np.abs(b).max())  # noqa: E731
     assert not np.allclose(want[3], jk)  # the journal was written
     return max(rel(a, b) for a, b in zip(got, want))

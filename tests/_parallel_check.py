@@ -69,8 +69,8 @@ def run_recipe(m, recipe: Recipe, lengths, page_size: int, decode_steps: int, ep
     width = pages_per_seq
     sharded = shard_params(m.params, mesh)
     shard = Cache(**par.cache_shardings(cfg.kda_num_heads))
-    alloc = lambda: allocate_cache(cfg, plan.num_slots, plan.num_pages, page_size, m.dtype)
-    cache_par = jax.jit(alloc, out_shardings=shard)()
+    alloc = lambda groups=1: allocate_cache(cfg, plan.num_slots, plan.num_pages, page_size, m.dtype, groups)
+    cache_par = jax.jit(lambda: alloc(par.conv_groups(cfg.kda_num_heads)), out_shardings=shard)()
     cache_one = alloc()
     kv = cache_par.mla_kv
     per_dev = kv.addressable_shards[0].data.nbytes

@@ -81,7 +81,7 @@ def _conv_window(cache, cfg):
     ``model.cache.conv_pool_rows``)."""
     from k3serve.model.cache import conv_pool_logical
 
-    return np.asarray(conv_pool_logical(cache.kda_conv[:, 0], 1, cfg.conv_kernel_size - 1))
+    return np.asarray(conv_pool_logical(cache.kda_conv[:, 0], 1, cfg.conv_kernel_size - 1, cfg.kda_num_heads))
 
 
 @pytest.mark.parametrize("case", K3_CASES)

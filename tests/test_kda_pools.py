@@ -161,20 +161,24 @@ def test_conv_pool_rows_blocks_hold_each_ranks_heads():
     """The engine's conv pool stores each window as rows of one head (``model.cache``):
     row ``(g, t, part, h)`` is head ``g * Hl + h``'s ``d`` values of window position ``t`` of
     q, k or v, so with the KDA heads split over G ranks rank j's block of rows is exactly the
-    kernels' row layout for its heads; the inverse restores ``[W-1, q | k | v]``, and with
-    G = 1 the rows are the logical window's elements in order."""
-    from k3serve.model.cache import conv_groups_of, conv_pool_logical, conv_pool_rows
+    kernels' row layout for its heads, followed by zero rows up to a multiple of 8 (a block of
+    whole TPU tiles: ``conv_block_rows``); the inverse restores ``[W-1, q | k | v]``, and with
+    G = 1 the rows are the logical window's elements in order, unpadded."""
+    from k3serve.model.cache import conv_block_rows, conv_groups_of, conv_pool_logical, conv_pool_rows
 
     G, H, d, W1 = 4, 8, 2, 3
     Pw, Hl = H * d, H // G
     x = jnp.arange(2 * W1 * 3 * Pw, dtype=jnp.float32).reshape(2, W1, 3 * Pw)  # [slots, W-1, q|k|v]
     y = conv_pool_rows(x, G, d)
-    assert y.shape == (2, W1 * 3 * H, d)
+    B = conv_block_rows(W1, H, G)
+    assert B == 24 and y.shape == (2, G * B, d)  # 18 rows a rank, padded to 24
     for j in range(G):
-        block = y[:, j * W1 * 3 * Hl:(j + 1) * W1 * 3 * Hl].reshape(2, W1, 3, Hl, d)
+        block = y[:, j * B:j * B + W1 * 3 * Hl].reshape(2, W1, 3, Hl, d)
         for part in range(3):
             heads = x[..., part * Pw:(part + 1) * Pw].reshape(2, W1, H, d)[:, :, j * Hl:(j + 1) * Hl]
             np.testing.assert_array_equal(block[:, :, part], heads)
-    np.testing.assert_array_equal(conv_pool_logical(y, G, W1), x)
-    np.testing.assert_array_equal(conv_pool_rows(x, 1, d), x.reshape(y.shape))
+        assert not np.asarray(y[:, j * B + W1 * 3 * Hl:(j + 1) * B]).any()
+    np.testing.assert_array_equal(conv_pool_logical(y, G, W1, H), x)
+    np.testing.assert_array_equal(conv_pool_rows(x, 1, d), x.reshape(2, W1 * 3 * H, d))
+    np.testing.assert_array_equal(conv_pool_logical(conv_pool_rows(x, 1, d), 1, W1, H), x)
     assert conv_groups_of(jax.device_put(y)) == 1 and conv_groups_of(np.asarray(y)) == 1

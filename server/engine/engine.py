@@ -179,7 +179,8 @@ class Engine:
         self.capacity_plan = plan_capacity(cfg, page_size=page_size, dtype=model.dtype, kv_memory_bytes=kv_memory_bytes,
                                   max_num_seqs=max_num_seqs, num_pages=num_pages, dp=dp, dcp=dcp,
                                   snapshot_slots=prefix_snapshots if enable_prefix_caching else 0,
-                                  handoff_bytes=pd_handoff_bytes * processes, num_speculative_tokens=spec_k)
+                                  handoff_bytes=pd_handoff_bytes * processes, num_speculative_tokens=spec_k,
+                                  conv_groups=1 if self.par is None else self.par.conv_groups(cfg.kda_num_heads))
         self.cache_mgr = CacheManager(cfg, self.capacity_plan, model.dtype, allocate=self.par is None and not abstract,
                                       dispatch=self.dispatch)
         if abstract:
@@ -190,7 +191,8 @@ class Engine:
             from ...model.cache import Cache, allocate_cache
 
             p = self.capacity_plan
-            self.cache_mgr.device_cache = jax.jit(lambda: allocate_cache(cfg, p.num_slots, p.num_pages, p.page_size, model.dtype),
+            self.cache_mgr.device_cache = jax.jit(lambda: allocate_cache(cfg, p.num_slots, p.num_pages, p.page_size, model.dtype,
+                                                                         p.conv_groups),
                                        out_shardings=Cache(**self.par.cache_shardings(cfg.kda_num_heads)))()
         chunk_size = min(chunk_size or max_num_batched_tokens, max_num_batched_tokens)
         self.prefix_cache = None
@@ -244,7 +246,7 @@ class Engine:
         from ...model.cache import Cache, cache_shapes
 
         p, cfg = self.capacity_plan, self.model.config
-        shapes = cache_shapes(cfg, p.num_slots, p.num_pages, p.page_size, self.model.dtype)
+        shapes = cache_shapes(cfg, p.num_slots, p.num_pages, p.page_size, self.model.dtype, p.conv_groups)
         if self.par is not None:
             where = self.par.cache_shardings(cfg.kda_num_heads)
         else:

@@ -50,7 +50,7 @@ def export_specs(engine, prompt_len: int) -> list[tuple[tuple[int, ...], str]]:
     shapes = cache_shapes(cfg, 1, 1, ps, engine.model.dtype)
     (st, st_d), (cv, cv_d), (kv, kv_d) = (shapes[k] for k in ("kda_state", "kda_conv", "mla_kv"))
     pages = next_pow2(cdiv(prompt_len, ps))
-    return [((st[0],) + tuple(st[2:]), str(np.dtype(st_d))), (conv_window_shape(cv, st[2]), str(np.dtype(cv_d))),
+    return [((st[0],) + tuple(st[2:]), str(np.dtype(st_d))), (conv_window_shape(cfg, st[0]), str(np.dtype(cv_d))),
             ((kv[0], pages) + tuple(kv[2:]), str(np.dtype(kv_d)))]
 
 

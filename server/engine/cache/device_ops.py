@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ....model.cache import conv_pool_logical, conv_pool_rows, conv_window_shape
+from ....model.cache import conv_pool_logical, conv_pool_rows
 
 
 def split_of(pool):
@@ -112,7 +112,7 @@ def _copy_slots(cache, src, dst, *, kv_split=None, st_split=None, cv_split=None)
 
 
 def _load_prefix(cache, idx, pos0, rows, tokens, slot, state, conv, *, conv_groups: int = 1, kv_split=None,
-                 st_split=None, cv_split=None):
+                 st_split=None, cv_split=None, window=None):
     """Pages ``idx`` := gathered pages ``rows`` ``[nM, P', page_size, W]``, zero from position
     ``tokens`` on (``pos0``: each page's first position); slot ``slot`` := the state. An
     index past the pool's end is padding: its rows are dropped."""
@@ -126,16 +126,17 @@ def _load_prefix(cache, idx, pos0, rows, tokens, slot, state, conv, *, conv_grou
                              cv_split))
 
 
-def _read_prefix(cache, slot, idx, *, conv_groups: int = 1, kv_split=None, st_split=None, cv_split=None):
+def _read_prefix(cache, slot, idx, *, conv_groups: int = 1, kv_split=None, st_split=None, cv_split=None, window=None):
     at = jnp.reshape(slot, (1,))
     return (_read_rows(cache.kda_state, at, st_split)[:, 0],
-            conv_pool_logical(_read_rows(cache.kda_conv, at, cv_split)[:, 0], conv_groups,
-                              conv_window_shape(cache.kda_conv.shape, cache.kda_state.shape[2])[1]),
+            conv_pool_logical(_read_rows(cache.kda_conv, at, cv_split)[:, 0], conv_groups, window,
+                              cache.kda_state.shape[2]),
             _read_rows(cache.mla_kv, idx, kv_split))
 
 
 # name -> (body, returns the cache): the small device programs of prefix caching; ``load``
-# and ``read`` also take the pool's ``conv_groups``, all of them the pools' splits
+# and ``read`` also take the pool's ``conv_groups`` and the window's length ``window`` (W-1),
+# all of them the pools' splits
 # (``splits_of``; keywords, bound when jitted)
 PROGRAMS = {"pages": (_copy_pages, True), "slots": (_copy_slots, True), "load": (_load_prefix, True),
              "read": (_read_prefix, False)}

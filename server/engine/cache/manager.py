@@ -82,7 +82,7 @@ class CacheManager:
         from ..dispatch import LocalDispatch
 
         dtype = jnp.dtype(dtype)
-        expect = cache_bytes(cfg, plan.num_slots, plan.num_pages, plan.page_size, dtype)
+        expect = cache_bytes(cfg, plan.num_slots, plan.num_pages, plan.page_size, dtype, plan.conv_groups)
         if expect != plan.total_bytes:
             raise ValueError(f"plan does not match this config/dtype ({dtype}): it budgets "
                              f"{plan.total_bytes} bytes, the cache would take {expect}")
@@ -100,7 +100,8 @@ class CacheManager:
         # from the admissions of one schedule, at most one page and one slot copy per request
         self.copy_widths = sparse_widths(plan.max_concurrent_slots)
         self.num_copies = 0
-        self.device_cache = (committed(allocate_cache(cfg, plan.num_slots, plan.num_pages, plan.page_size, dtype))
+        self.device_cache = (committed(allocate_cache(cfg, plan.num_slots, plan.num_pages, plan.page_size, dtype,
+                                                      plan.conv_groups))
                              if allocate else None)
         self.dispatch = dispatch if dispatch is not None else LocalDispatch()
         self.dispatch.register("cache_copy", self._run_copy)
@@ -316,7 +317,7 @@ class CacheManager:
         cache = self.device_cache
         st, cv, kv = cache.kda_state, cache.kda_conv, cache.mla_kv
         pb = dest.pages_per_block
-        shapes = ((st.shape[0],) + st.shape[2:], conv_window_shape(cv.shape, st.shape[2]),
+        shapes = ((st.shape[0],) + st.shape[2:], conv_window_shape(self.cfg, st.shape[0]),
                   (kv.shape[0], self.dp * self.dcp * pb) + kv.shape[2:])
         # the conv window comes whole (q|k|v order) to every device; the load deals its channels
         shardings = (without_slot_axis(st.sharding, st.ndim), replicated(cv.sharding), kv.sharding)
@@ -355,7 +356,8 @@ class CacheManager:
 
             body, writes = PROGRAMS["read" if name == "read_replicated" else name]
             if name in ("read", "read_replicated", "load"):  # the conv window leaves and comes back in q|k|v order
-                body = functools.partial(body, conv_groups=conv_groups_of(self.device_cache.kda_conv))
+                body = functools.partial(body, conv_groups=conv_groups_of(self.device_cache.kda_conv),
+                                         window=self.cfg.conv_kernel_size - 1)
             body = functools.partial(body, **splits_of(self.device_cache))  # rows read and written where they live
             kw = (dict(donate_argnums=0, out_shardings=jax.tree.map(lambda a: a.sharding, self.device_cache))
                   if writes else {})

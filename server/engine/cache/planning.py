@@ -39,11 +39,13 @@ class CapacityPlan:
     snapshot_slots: int = 0  # KDA prefix snapshot slots (issue #6), split evenly over the DP groups
     handoff_bytes: int = 0  # set aside for P/D handoff arrays outside the pools, all processes' (not in total_bytes)
     journal_bytes: int = 0  # speculative decoding's KDA journal, an entry per request slot (not in total_bytes)
+    conv_groups: int = 1  # rank blocks of the conv pool's rows (``model.cache.conv_pool_rows``)
 
 
 def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = None,
                   max_num_seqs: int, num_pages: int | None = None, dp: int = 1, dcp: int = 1,
-                  snapshot_slots: int = 0, handoff_bytes: int = 0, num_speculative_tokens: int = 0) -> CapacityPlan:
+                  snapshot_slots: int = 0, handoff_bytes: int = 0, num_speculative_tokens: int = 0,
+                  conv_groups: int = 1) -> CapacityPlan:
     """Size the cache: ``max_num_seqs`` slots (+ scratch), then pages from what is left.
 
     Give ``kv_memory_bytes`` (the device budget for the whole cache) or ``num_pages``
@@ -79,8 +81,8 @@ def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = N
     num_slots = dp * (cdiv(max_num_seqs, dp) + 1) + snap
     blocks = dp * dcp
     # per-unit costs straight from the model's own layout, so they cannot drift from it
-    bytes_per_slot = cache_bytes(cfg, 1, 0, page_size, dtype)
-    bytes_per_page = cache_bytes(cfg, 0, 1, page_size, dtype)
+    bytes_per_slot = cache_bytes(cfg, 1, 0, page_size, dtype, conv_groups)
+    bytes_per_page = cache_bytes(cfg, 0, 1, page_size, dtype, conv_groups)
     if handoff_bytes < 0:
         raise ValueError(f"handoff_bytes must be >= 0, got {handoff_bytes}")
     slot_bytes = num_slots * bytes_per_slot
@@ -118,10 +120,10 @@ def plan_capacity(cfg, *, page_size: int, dtype, kv_memory_bytes: int | None = N
         num_pages -= num_pages % blocks
         if num_pages < blocks:
             raise ValueError(f"kv_memory_bytes={kv_memory_bytes} leaves fewer pages than the {blocks} dp × dcp blocks")
-    total = cache_bytes(cfg, num_slots, num_pages, page_size, dtype)
+    total = cache_bytes(cfg, num_slots, num_pages, page_size, dtype, conv_groups)
     return CapacityPlan(num_pages=int(num_pages), num_slots=num_slots, page_size=int(page_size),
                      bytes_per_page=bytes_per_page, bytes_per_slot=bytes_per_slot, total_bytes=total,
                      max_tokens_in_kv=int(num_pages) * int(page_size),
                      max_tokens_per_request=int(num_pages) // dp * int(page_size), max_concurrent_slots=num_slots - dp - snap,
                      dp=dp, dcp=dcp, snapshot_slots=snap, handoff_bytes=int(handoff_bytes),
-                     journal_bytes=journal_bytes)
+                     journal_bytes=journal_bytes, conv_groups=conv_groups)
