@@ -212,8 +212,12 @@ def decode_costs(build, cfg, T: int, context=contextlib.nullcontext, log=None) -
     """Per-step cost of the decode step (bucket ``T``), summed over layers. The decode step of
     ``build(cfg_variant)`` (an abstract engine of the same flags) is compiled with its layers
     unrolled for an anchor model (one layer of each attention type: a recipe's DCP needs an
-    MLA layer) and for the anchor plus one layer of each kind; the differences are the
-    per-layer costs, the anchor less its layers the rest of the step.
+    MLA layer) and for the anchor plus two layers of each kind; half the differences are the
+    per-layer costs, the anchor less its layers the rest of the step. Two layers, not one:
+    XLA:TPU's memory-space assignment picks which arrays it prefetches into VMEM per program,
+    and its cost analysis counts such a prefetch on top of the reads; one program's choice
+    moved a one-layer difference by ~40 MB (x 68 layers), the two-layer slope by much less
+    (docs/compile.md).
 
     ``build`` should give engines with 16-bit layer stacks (not packed, ``model.packed_rows``):
     straight-line layers read those once, in the matmuls' tiling (no re-tiling outside a loop),
@@ -234,7 +238,7 @@ def decode_costs(build, cfg, T: int, context=contextlib.nullcontext, log=None) -
 
     kinds = layer_kinds(cfg)
     anchor = [max((k for k in kinds if k[0] == a), key=kinds.get) for a in dict.fromkeys(cfg.layer_types)]
-    variants = [("anchor", anchor)] + [(_label(k), anchor + [k]) for k in kinds]
+    variants = [("anchor", anchor)] + [(_label(k), anchor + [k, k]) for k in kinds]
     figures, programs = {}, []
     keys = ("flops", "bytes_accessed", "collectives")
     usual = False
@@ -259,7 +263,8 @@ def decode_costs(build, cfg, T: int, context=contextlib.nullcontext, log=None) -
         c = tpu_aot.cost(built.compiled)
         c["collectives"] = sum(tpu_aot.collectives(built.compiled).values())
         figures[label] = c
-    per_layer = {k: {f: figures[_label(k)][f] - figures["anchor"][f] for f in keys} for k in kinds}
+    half = lambda f, v: v // 2 if f == "collectives" else v / 2  # noqa: E731  (collectives stay counts)
+    per_layer = {k: {f: half(f, figures[_label(k)][f] - figures["anchor"][f]) for f in keys} for k in kinds}
     base = {f: figures["anchor"][f] - sum(per_layer[k][f] for k in anchor) for f in keys}
     total = {f: base[f] + sum(kinds[k] * per_layer[k][f] for k in kinds) for f in keys}
     return {**total, "base": base, "per_layer": {_label(k): {"layers": kinds[k], **per_layer[k]} for k in kinds},
