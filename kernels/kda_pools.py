@@ -12,7 +12,8 @@ but every row's state and conv window is read from and written to the pools in p
   chunks, written to the write slot, snapshots at any offset), then the gated output norm.
 
 The conv pool may be ``[L, S, W-1, 3P]`` or the row layout ``[L, S, (W-1)*3H, d]`` (the same
-elements; ``kda_decode_kernel`` docstring): on TPU only the latter compiles without XLA
+elements, the rows possibly padded to a multiple of 8: ``model.cache.conv_block_rows``;
+``kda_decode_kernel`` docstring): on TPU only the latter compiles without XLA
 copying the whole pool in and out around the decode kernel. Block sizes and VMEM limits are
 the kernels' own (derived from their VMEM budgets).
 
