@@ -73,8 +73,8 @@ def greedy(m, recipe: str | None, prompts, new_tokens: int) -> dict:
     for g in groups:  # rows laid out by DP group, as the runner does
         at.append(g * Bg + seen[g])
         seen[g] += 1
-    groups = 1 if par is None else par.conv_groups(cfg.kda_num_heads)
-    alloc = lambda: allocate_cache(cfg, plan.num_slots, plan.num_pages, PAGE, m.dtype, groups)  # noqa: E731
+    conv_groups = 1 if par is None else par.conv_groups(cfg.kda_num_heads)
+    alloc = lambda: allocate_cache(cfg, plan.num_slots, plan.num_pages, PAGE, m.dtype, conv_groups)  # noqa: E731
     cache = alloc() if par is None else jax.jit(alloc, out_shardings=Cache(**par.cache_shardings(cfg.kda_num_heads)))()
     step = jax.jit(lambda p, c, b, at: nnx.merge(m.graphdef, p)(b, c, par=par, logits_at=at), donate_argnums=(1,))
 
